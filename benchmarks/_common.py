@@ -1,0 +1,51 @@
+"""What every benchmark records beside its numbers: versions, machine, commit, simulation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Before anything imports torch: libtpu must never query the cloud metadata
+# server here, and torch must not autoload torch_tpu.
+os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment(simulated: bool) -> dict:
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = None
+    return {
+        "simulated": simulated,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1) if mem_gib else None,
+        "commit": commit,
+        "versions": {m: version(m) for m in ("ray", "torch", "torchdata")},
+    }
+
+
+def write(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path

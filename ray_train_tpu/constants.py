@@ -1,0 +1,57 @@
+"""Every environment-variable name and default this package reads or writes, once.
+
+Names follow the tools that define them: PyTorch's launcher (``RANK`` ...),
+torch_tpu's launcher (``TORCH_TPU_*``), libtpu (``TPU_*``, ``MEGASCALE_*``) and
+Ray (``TPU_VISIBLE_CHIPS``). Nothing else in the package spells these strings.
+"""
+
+# PyTorch elastic / torchrun conventions.
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+NODE_RANK = "NODE_RANK"
+NNODES = "NNODES"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+
+# libtpu / GKE TPU host conventions.
+TPU_VISIBLE_CHIPS = "TPU_VISIBLE_CHIPS"
+TPU_WORKER_ID = "TPU_WORKER_ID"
+TPU_WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"
+TPU_NAME = "TPU_NAME"
+TPU_ACCELERATOR_TYPE = "TPU_ACCELERATOR_TYPE"
+TPU_TOPOLOGY = "TPU_TOPOLOGY"
+TPU_SKIP_MDS_QUERY = "TPU_SKIP_MDS_QUERY"
+
+# torch_tpu launcher conventions (torch_tpu/_internal/distributed/distributed.py).
+TORCH_TPU_SLICEBUILDER_ADDRESSES = "TORCH_TPU_SLICEBUILDER_ADDRESSES"
+TORCH_TPU_TOPOLOGY = "TORCH_TPU_TOPOLOGY"
+TORCH_TPU_XPROF_SESSION_ID = "TORCH_TPU_XPROF_SESSION_ID"
+TORCH_TPU_BASE_PORT = "TORCH_TPU_BASE_PORT"
+TORCH_TPU_DEVICES_PER_HOST = "TORCH_TPU_DEVICES_PER_HOST"
+JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
+
+# Multi-slice (DCN) coordination read by libtpu; Ray sets the same names.
+MEGASCALE_COORDINATOR_ADDRESS = "MEGASCALE_COORDINATOR_ADDRESS"
+MEGASCALE_NUM_SLICES = "MEGASCALE_NUM_SLICES"
+MEGASCALE_SLICE_ID = "MEGASCALE_SLICE_ID"
+MEGASCALE_PORT = "MEGASCALE_PORT"
+
+# torch: keep torch from autoloading torch_tpu at `import torch`.
+TORCH_DEVICE_BACKEND_AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+
+# Ray: logical TPU resources per physical chip (2 on v7x, one per TensorCore).
+RAY_TPU_RESOURCE_PER_CHIP = "RAY_TPU_RESOURCE_PER_CHIP"
+
+# This package: explicit simulation of a TPU slice on CPU with gloo.
+RAY_TRAIN_TPU_SIMULATE = "RAY_TRAIN_TPU_SIMULATE"
+
+# Defaults, as torch_tpu's launcher and Ray use them.
+DEFAULT_TORCH_TPU_BASE_PORT = 8070
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_MEGASCALE_PORT = 8081
+
+# Environment every process we start must carry before torch is imported, so that
+# libtpu never queries the cloud metadata server (a stall of minutes off GCP).
+NO_METADATA_SERVER_ENV = {TPU_SKIP_MDS_QUERY: "1"}

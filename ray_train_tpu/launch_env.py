@@ -1,0 +1,352 @@
+"""The complete TorchTPU environment of every worker of a job: a pure function.
+
+No Ray, no I/O, no ``os.environ``: `plan`, the Ray Train backend and the tests
+all call `launch_env` / `launch_envs`, so they cannot drift apart.
+
+Conventions are torch_tpu's own launcher's (``set_tpu_launch_env`` in
+``torch_tpu/_internal/distributed/distributed.py``):
+
+- ``TORCH_TPU_SLICEBUILDER_ADDRESSES``: ``host:BASE+i`` for every host of the
+  slice in TPU worker id order and i in 0..devices_per_host-1, BASE =
+  ``TORCH_TPU_BASE_PORT`` (8070). The same list on every rank of the slice, so
+  ``addresses[rank within slice]`` is the rank's own host at BASE+LOCAL_RANK.
+  (On one host torch_tpu picks ``localhost:<free port>``; we use the host
+  address and BASE there too, so that every rank derives the list alone.)
+- ``NNODES`` = hosts, ``MASTER_ADDR`` = the first host, ``MASTER_PORT`` = 29500,
+  ``NODE_RANK`` = the host's TPU worker id (hosts sorted Z-major, Y, X-minor).
+- ``TORCH_TPU_TOPOLOGY`` = the whole slice's mesh bounds (``"4,4,1"``).
+- A value that is already set is kept, never overwritten (`apply_preset`).
+
+Across slices (``num_slices > 1``) ranks are slice-major; each slice keeps its
+own slice-builder addresses and worker hostnames (ICI stays inside a slice),
+``NODE_RANK``/``NNODES`` count hosts across the job, and libtpu's MegaScale
+variables connect the slices over DCN the way Ray sets them
+(``ray.util.tpu.get_tpu_coordinator_env_vars``): the coordinator is
+``MASTER_ADDR:MEGASCALE_PORT`` and each process listens on
+``MEGASCALE_PORT + LOCAL_RANK``.
+
+Example:
+    >>> from ray_train_tpu.topology import Topology
+    >>> t = Topology.parse("2x2x2", "TPU-V4")
+    >>> env = launch_env(t, ["10.0.0.1", "10.0.0.2"], rank=5, xprof_session_id="1")
+    >>> env["NODE_RANK"], env["LOCAL_RANK"], env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[5]
+    ('1', '1', '10.0.0.2:8071')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from ray_train_tpu import constants as C
+from ray_train_tpu.topology import Coords, Topology
+
+# Every variable `launch_env` sets, in the order people read them.
+ENV_KEYS: tuple[str, ...] = (
+    C.RANK,
+    C.WORLD_SIZE,
+    C.LOCAL_RANK,
+    C.LOCAL_WORLD_SIZE,
+    C.NODE_RANK,
+    C.NNODES,
+    C.MASTER_ADDR,
+    C.MASTER_PORT,
+    C.TPU_VISIBLE_CHIPS,
+    C.TPU_WORKER_ID,
+    C.TPU_WORKER_HOSTNAMES,
+    C.TORCH_TPU_SLICEBUILDER_ADDRESSES,
+    C.TORCH_TPU_TOPOLOGY,
+    C.TORCH_TPU_XPROF_SESSION_ID,
+)
+MEGASCALE_KEYS: tuple[str, ...] = (
+    C.MEGASCALE_COORDINATOR_ADDRESS,
+    C.MEGASCALE_NUM_SLICES,
+    C.MEGASCALE_SLICE_ID,
+    C.MEGASCALE_PORT,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerPlace:
+    """Where one rank sits in the job."""
+
+    rank: int
+    slice_id: int
+    worker_id: int  # TPU worker id of the host, within its slice
+    local_rank: int  # TorchTPU device index on the host
+    node_rank: int  # host index across the job: slice_id * num_hosts + worker_id
+    chip: int  # chip index on the host, as in TPU_VISIBLE_CHIPS
+    chip_coords: Coords  # chip coordinates within the slice's mesh
+
+
+def worker_place(topology: Topology, rank: int, num_slices: int = 1) -> WorkerPlace:
+    """The place of `rank`: ranks are slice-major, then host (TPU worker id),
+    then device on the host."""
+    _check_num_slices(num_slices)
+    world_size = topology.num_devices * num_slices
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank!r} is outside the job's {world_size} workers "
+            f"({num_slices} x {topology}); valid: 0..{world_size - 1}"
+        )
+    slice_id, in_slice = divmod(rank, topology.num_devices)
+    worker_id, local_rank = divmod(in_slice, topology.devices_per_host)
+    chip = local_rank // topology.devices_per_chip
+    return WorkerPlace(
+        rank=rank,
+        slice_id=slice_id,
+        worker_id=worker_id,
+        local_rank=local_rank,
+        node_rank=slice_id * topology.num_hosts + worker_id,
+        chip=chip,
+        chip_coords=topology.chip_coords(worker_id, chip),
+    )
+
+
+def rank_of(topology: Topology, *, slice_id: int, worker_id: int, local_rank: int) -> int:
+    """Inverse of `worker_place`: the rank of a device given where it sits."""
+    return (slice_id * topology.num_hosts + worker_id) * topology.devices_per_host + local_rank
+
+
+def placeholder_hosts(topology: Topology, num_slices: int = 1) -> list[str]:
+    """Host names for a plan made before the hosts are known."""
+    return [
+        f"{topology.pod_type}-s{s}-w{w}"
+        for s in range(num_slices)
+        for w in range(topology.num_hosts)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SliceShared:
+    """The values every rank of one slice shares, computed once per slice."""
+
+    hostnames: str
+    addresses: str
+
+
+class _JobShared:
+    """Values shared across the job; per-slice strings are built lazily once."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        hosts: Sequence[str],
+        num_slices: int,
+        base_port: int,
+        master_port: int,
+        megascale_port: int,
+        xprof_session_id: str,
+    ):
+        _check_num_slices(num_slices)
+        self.topology = topology
+        self.num_slices = num_slices
+        self.hosts = _check_hosts(topology, hosts, num_slices)
+        self.base_port = _check_port("base_port", base_port, topology.devices_per_host)
+        self.master_port = _check_port("master_port", master_port, 1)
+        self.megascale_port = _check_port("megascale_port", megascale_port, topology.devices_per_host)
+        if not isinstance(xprof_session_id, str) or not xprof_session_id:
+            raise ValueError(
+                f"xprof_session_id must be a non-empty string shared by all ranks, "
+                f"got {xprof_session_id!r}; e.g. str(time.time_ns())"
+            )
+        self.xprof_session_id = xprof_session_id
+        self._slices: dict[int, _SliceShared] = {}
+
+    def slice(self, slice_id: int) -> _SliceShared:
+        if slice_id not in self._slices:
+            n = self.topology.num_hosts
+            hosts = self.hosts[slice_id * n : (slice_id + 1) * n]
+            ports = [str(self.base_port + i) for i in range(self.topology.devices_per_host)]
+            self._slices[slice_id] = _SliceShared(
+                hostnames=",".join(hosts),
+                addresses=",".join(f"{h}:{p}" for h in hosts for p in ports),
+            )
+        return self._slices[slice_id]
+
+    def env(self, place: WorkerPlace) -> dict[str, str]:
+        t = self.topology
+        shared = self.slice(place.slice_id)
+        master_addr = self.hosts[0]
+        env = {
+            C.RANK: str(place.rank),
+            C.WORLD_SIZE: str(t.num_devices * self.num_slices),
+            C.LOCAL_RANK: str(place.local_rank),
+            C.LOCAL_WORLD_SIZE: str(t.devices_per_host),
+            C.NODE_RANK: str(place.node_rank),
+            C.NNODES: str(t.num_hosts * self.num_slices),
+            C.MASTER_ADDR: master_addr,
+            C.MASTER_PORT: str(self.master_port),
+            C.TPU_VISIBLE_CHIPS: str(place.chip),
+            C.TPU_WORKER_ID: str(place.worker_id),
+            C.TPU_WORKER_HOSTNAMES: shared.hostnames,
+            C.TORCH_TPU_SLICEBUILDER_ADDRESSES: shared.addresses,
+            C.TORCH_TPU_TOPOLOGY: t.torch_tpu_topology,
+            C.TORCH_TPU_XPROF_SESSION_ID: self.xprof_session_id,
+        }
+        if self.num_slices > 1:
+            env[C.MEGASCALE_COORDINATOR_ADDRESS] = f"{master_addr}:{self.megascale_port}"
+            env[C.MEGASCALE_NUM_SLICES] = str(self.num_slices)
+            env[C.MEGASCALE_SLICE_ID] = str(place.slice_id)
+            env[C.MEGASCALE_PORT] = str(self.megascale_port + place.local_rank)
+        return env
+
+
+def launch_env(
+    topology: Topology,
+    hosts: Sequence[str],
+    *,
+    rank: int,
+    num_slices: int = 1,
+    xprof_session_id: str,
+    base_port: int = C.DEFAULT_TORCH_TPU_BASE_PORT,
+    master_port: int = C.DEFAULT_MASTER_PORT,
+    megascale_port: int = C.DEFAULT_MEGASCALE_PORT,
+) -> dict[str, str]:
+    """The environment of one worker.
+
+    Args:
+        topology: the slice (every slice of the job has this topology).
+        hosts: every host of the job in TPU worker id order, slice-major
+            (``num_slices * topology.num_hosts`` names or IP addresses).
+        rank: the worker's global rank (see `worker_place`).
+        num_slices: slices in the job.
+        xprof_session_id: profiling session id, the same on every rank.
+        base_port: first slice-builder port on each host (``TORCH_TPU_BASE_PORT``).
+        master_port: torch.distributed rendezvous port on the first host.
+        megascale_port: MegaScale coordinator port (multi-slice only).
+
+    Returns:
+        A new dict from variable name to value, `ENV_KEYS` (and `MEGASCALE_KEYS`
+        when ``num_slices > 1``).
+    """
+    shared = _JobShared(topology, hosts, num_slices, base_port, master_port, megascale_port, xprof_session_id)
+    return shared.env(worker_place(topology, rank, num_slices))
+
+
+def launch_envs(
+    topology: Topology,
+    hosts: Sequence[str],
+    *,
+    num_slices: int = 1,
+    xprof_session_id: str,
+    base_port: int = C.DEFAULT_TORCH_TPU_BASE_PORT,
+    master_port: int = C.DEFAULT_MASTER_PORT,
+    megascale_port: int = C.DEFAULT_MEGASCALE_PORT,
+) -> list[tuple[WorkerPlace, dict[str, str]]]:
+    """`launch_env` for every rank, in rank order; shared strings are built once
+    per slice, so the cost is linear in the number of workers."""
+    shared = _JobShared(topology, hosts, num_slices, base_port, master_port, megascale_port, xprof_session_id)
+    places = [worker_place(topology, r, num_slices) for r in range(topology.num_devices * num_slices)]
+    return [(p, shared.env(p)) for p in places]
+
+
+def apply_preset(
+    computed: Mapping[str, str], preset: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """Keep values that are already set, as torch_tpu's launcher does.
+
+    Returns:
+        The environment to apply, and ``{name: (kept value, computed value)}``
+        for every preset value that differs from the computed one, so that the
+        caller can warn about each by name.
+    """
+    env = dict(computed)
+    kept: dict[str, tuple[str, str]] = {}
+    for key, value in computed.items():
+        if key in preset and preset[key] != value:
+            env[key] = preset[key]
+            kept[key] = (preset[key], value)
+    return env, kept
+
+
+def _check_num_slices(num_slices: object) -> None:
+    if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
+        raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
+
+
+def _check_port(field: str, port: object, span: int) -> int:
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535 - span + 1:
+        raise ValueError(
+            f"{field} must be an integer port such that {field}..{field}+{span - 1} "
+            f"fit in 1..65535, got {port!r}"
+        )
+    return port
+
+
+def _check_hosts(topology: Topology, hosts: Sequence[str], num_slices: int) -> list[str]:
+    expected = topology.num_hosts * num_slices
+    if isinstance(hosts, str) or len(hosts) != expected:
+        got = hosts if isinstance(hosts, str) else f"{len(hosts)} hosts"
+        raise ValueError(
+            f"hosts must list the {expected} hosts of {num_slices} x {topology} "
+            f"in TPU worker id order (slice-major), got {got!r}"
+        )
+    hosts = list(hosts)
+    for host in hosts:
+        if not isinstance(host, str) or not host or any(c in host for c in ",: \t\n"):
+            raise ValueError(
+                f"host {host!r} is not a host name or IPv4 address; names must be "
+                "non-empty and contain no ',', ':' or whitespace (they are joined "
+                "into TORCH_TPU_SLICEBUILDER_ADDRESSES as host:port)"
+            )
+    if len(set(hosts)) != len(hosts):
+        dupes = sorted({h for h in hosts if hosts.count(h) > 1})
+        raise ValueError(
+            f"hosts must be distinct, one per TPU host; repeated: {', '.join(dupes)}"
+        )
+    return hosts
+
+
+def build_plan(
+    topology: Topology,
+    *,
+    num_slices: int = 1,
+    hosts: Sequence[str] | None = None,
+    xprof_session_id: str = "0",
+    base_port: int = C.DEFAULT_TORCH_TPU_BASE_PORT,
+    master_port: int = C.DEFAULT_MASTER_PORT,
+    megascale_port: int = C.DEFAULT_MEGASCALE_PORT,
+) -> dict:
+    """The slice plan that ``python -m ray_train_tpu plan`` prints, as a dict.
+
+    Workers are in rank order; each carries its complete `launch_env`. Without
+    `hosts`, `placeholder_hosts` stand in for them.
+    """
+    _check_num_slices(num_slices)
+    if hosts is None:
+        hosts = placeholder_hosts(topology, num_slices)
+    _check_hosts(topology, hosts, num_slices)
+    envs = launch_envs(
+        topology,
+        hosts,
+        num_slices=num_slices,
+        xprof_session_id=xprof_session_id,
+        base_port=base_port,
+        master_port=master_port,
+        megascale_port=megascale_port,
+    )
+    return {
+        "accelerator_type": topology.accelerator_type,
+        "topology": topology.name,
+        "pod_type": topology.pod_type,
+        "num_slices": num_slices,
+        "num_hosts": topology.num_hosts,
+        "chips_per_host": topology.chips_per_host,
+        "devices_per_chip": topology.devices_per_chip,
+        "num_workers": len(envs),
+        "resources_per_worker": {"TPU": 1},
+        "workers": [
+            {
+                "rank": p.rank,
+                "local_rank": p.local_rank,
+                "node_rank": p.node_rank,
+                "slice_id": p.slice_id,
+                "worker_id": p.worker_id,
+                "host": hosts[p.node_rank],
+                "chip_coords": list(p.chip_coords),
+                "env": env,
+            }
+            for p, env in envs
+        ],
+    }

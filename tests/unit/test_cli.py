@@ -1,0 +1,77 @@
+"""python -m ray_train_tpu plan: JSON for tools, a table for people, one-line errors."""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ray_train_tpu.cli import main
+from ray_train_tpu.launch_env import ENV_KEYS, build_plan
+from ray_train_tpu.topology import Topology
+
+
+def _run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_json_has_every_field_and_env():
+    code, out, err = _run("plan", "--topology", "4x4", "--accelerator-type", "TPU-V6E", "--format", "json",
+                          "--hosts", "a,b,c,d")
+    assert code == 0 and err == ""
+    plan = json.loads(out)
+    for key in ("accelerator_type", "topology", "pod_type", "num_slices", "num_hosts", "chips_per_host",
+                "num_workers", "resources_per_worker", "workers"):
+        assert key in plan
+    assert plan["num_workers"] == 16 and plan["resources_per_worker"] == {"TPU": 1}
+    w = plan["workers"][6]
+    assert set(w) == {"rank", "local_rank", "node_rank", "slice_id", "worker_id", "host", "chip_coords", "env"}
+    assert (w["rank"], w["node_rank"], w["local_rank"], w["host"]) == (6, 1, 2, "b")
+    assert set(w["env"]) == set(ENV_KEYS)
+    assert all(isinstance(v, str) for v in w["env"].values())
+    assert plan == json.loads(json.dumps(build_plan(Topology.parse("4x4", "TPU-V6E"), hosts=list("abcd"))))
+
+
+def test_plan_table_is_for_people():
+    code, out, _ = _run("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4")
+    assert code == 0
+    assert "v4-16" in out and "8 workers" in out
+    assert "v4-16-s0-w1:8073" in out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["plan", "--topology", "4x5", "--accelerator-type", "TPU-V6E"], "valid: 1x1, 2x2, 2x4, 4x4"),
+        (["plan", "--topology", "4x4", "--accelerator-type", "TPU-V9"], "TPU-V4, TPU-V5P"),
+        (["plan", "--topology", "4x4", "--accelerator-type", "TPU-V6E", "--hosts", "a,b"], "must list the 4 hosts"),
+        (["plan", "--topology", "4x4", "--accelerator-type", "TPU-V6E", "--num-slices", "x"], "invalid int value"),
+        (["plan"], "required"),
+        (["nope"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(argv, match):
+    code, out, err = _run(*argv)
+    assert code == 2 and out == ""
+    assert err.startswith("ray_train_tpu: error: ") and err.count("\n") == 1
+    assert match in err
+
+
+def test_module_entry_point_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray_train_tpu", "plan", "--topology", "3x3", "--accelerator-type", "TPU-V6E"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "valid:" in proc.stderr
+
+
+def test_plan_does_not_import_ray_or_torch():
+    code = ("import sys; from ray_train_tpu.cli import main; main(['plan','--topology','2x2x2',"
+            "'--accelerator-type','TPU-V4','--format','json']); "
+            "assert 'ray' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,165 @@
+"""launch_env: the per-worker TorchTPU environment, and its invariants."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_train_tpu.launch_env import (
+    ENV_KEYS,
+    MEGASCALE_KEYS,
+    apply_preset,
+    build_plan,
+    launch_env,
+    launch_envs,
+    placeholder_hosts,
+    rank_of,
+    worker_place,
+)
+from ray_train_tpu.topology import GENERATIONS, Topology
+
+
+def _hosts(t, num_slices=1):
+    return [f"10.{s}.0.{w}" for s in range(num_slices) for w in range(t.num_hosts)]
+
+
+def test_v4_2x2x2_matches_torch_tpu_example():
+    t = Topology.parse("2x2x2", "TPU-V4")
+    env = launch_env(t, ["h0", "h1"], rank=5, xprof_session_id="42")
+    assert env == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "NODE_RANK": "1",
+        "NNODES": "2",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "29500",
+        "TPU_VISIBLE_CHIPS": "1",
+        "TPU_WORKER_ID": "1",
+        "TPU_WORKER_HOSTNAMES": "h0,h1",
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": "h0:8070,h0:8071,h0:8072,h0:8073,h1:8070,h1:8071,h1:8072,h1:8073",
+        "TORCH_TPU_TOPOLOGY": "2,2,2",
+        "TORCH_TPU_XPROF_SESSION_ID": "42",
+    }
+
+
+def test_multislice_sets_megascale_like_ray():
+    from ray.util.tpu import get_tpu_coordinator_env_vars
+
+    t = Topology.parse("2x2x2", "TPU-V4")
+    hosts = _hosts(t, 2)
+    env = launch_env(t, hosts, rank=13, num_slices=2, xprof_session_id="1")
+    assert env["RANK"] == "13" and env["WORLD_SIZE"] == "16"
+    assert env["NODE_RANK"] == "3" and env["NNODES"] == "4" and env["TPU_WORKER_ID"] == "1"
+    assert env["TPU_WORKER_HOSTNAMES"] == "10.1.0.0,10.1.0.1"
+    assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[5] == "10.1.0.1:8071"
+    ray_env = get_tpu_coordinator_env_vars(
+        coordinator_address="10.0.0.0:8081", num_slices=2, slice_id=1, coordinator_port="8081"
+    )
+    for key in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"):
+        assert env[key] == ray_env[key]
+    assert env["MEGASCALE_PORT"] == str(8081 + 1)  # base + LOCAL_RANK, as Ray does
+    single = launch_env(t, hosts[:2], rank=5, xprof_session_id="1")
+    assert not set(MEGASCALE_KEYS) & set(single)
+
+
+def test_v7x_local_rank_is_a_core_and_chip_is_shared():
+    t = Topology.parse("2x2x2", "TPU-V7X")
+    envs = launch_envs(t, ["a", "b"], xprof_session_id="1")
+    assert len(envs) == 16
+    place, env = envs[11]
+    assert (place.worker_id, place.local_rank, place.chip) == (1, 3, 1)
+    assert env["TPU_VISIBLE_CHIPS"] == "1" and env["LOCAL_WORLD_SIZE"] == "8"
+    assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[11] == "b:8073"
+    assert env["TORCH_TPU_TOPOLOGY"] == "2,2,2,2"
+
+
+def test_ports_and_session_id_are_configurable():
+    t = Topology.parse("2x2", "TPU-V6E")
+    env = launch_env(t, ["h"], rank=3, xprof_session_id="s", base_port=9000, master_port=1234)
+    assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "h:9000,h:9001,h:9002,h:9003"
+    assert env["MASTER_PORT"] == "1234" and env["TORCH_TPU_XPROF_SESSION_ID"] == "s"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hosts=["h0"]), "must list the 2 hosts"),
+        (dict(hosts=["h0", "h0"]), "repeated: h0"),
+        (dict(hosts=["h0", "h,1"]), "contain no ','"),
+        (dict(hosts="h0,h1"), "must list the 2 hosts"),
+        (dict(rank=8), "rank 8 is outside"),
+        (dict(base_port=65534), "base_port must be"),
+        (dict(num_slices=0), "num_slices must be"),
+        (dict(xprof_session_id=""), "xprof_session_id"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field(kwargs, match):
+    t = Topology.parse("2x2x2", "TPU-V4")
+    args = dict(hosts=["h0", "h1"], rank=0, xprof_session_id="1") | kwargs
+    hosts = args.pop("hosts")
+    with pytest.raises(ValueError, match=match):
+        launch_env(t, hosts, **args)
+
+
+def test_apply_preset_keeps_user_values_and_reports_them():
+    computed = {"MASTER_PORT": "29500", "RANK": "3", "TPU_VISIBLE_CHIPS": "3"}
+    env, kept = apply_preset(computed, {"MASTER_PORT": "1111", "TPU_VISIBLE_CHIPS": "3", "OTHER": "x"})
+    assert env == {"MASTER_PORT": "1111", "RANK": "3", "TPU_VISIBLE_CHIPS": "3"}
+    assert kept == {"MASTER_PORT": ("1111", "29500")}
+
+
+_cases = st.sampled_from(
+    [(g, t) for g in GENERATIONS for t in sorted(GENERATIONS[g].topologies)
+     if Topology.parse(t, g).num_devices <= 512]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cases, st.integers(1, 3), st.integers(1024, 60000))
+def test_invariants_for_every_rank(case, num_slices, base_port):
+    accel, name = case
+    t = Topology.parse(name, accel)
+    hosts = _hosts(t, num_slices)
+    envs = launch_envs(t, hosts, num_slices=num_slices, xprof_session_id="7", base_port=base_port)
+    world = t.num_devices * num_slices
+    assert [p.rank for p, _ in envs] == list(range(world))  # 0..N-1 once each
+    for place, env in envs:
+        assert set(env) == set(ENV_KEYS) | (set(MEGASCALE_KEYS) if num_slices > 1 else set())
+        assert env["RANK"] == str(place.rank) and env["WORLD_SIZE"] == str(world)
+        # rank = node_rank * devices_per_host + local_rank, slice-major
+        assert place.rank == place.node_rank * t.devices_per_host + place.local_rank
+        assert rank_of(t, slice_id=place.slice_id, worker_id=place.worker_id, local_rank=place.local_rank) == place.rank
+        # node ranks follow TPU worker ids within a slice
+        assert env["TPU_WORKER_ID"] == str(place.worker_id)
+        assert place.node_rank == place.slice_id * t.num_hosts + place.worker_id
+        # the rank's own address is on its own host, at base + LOCAL_RANK
+        addresses = env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
+        own = addresses[place.rank - place.slice_id * t.num_devices]
+        assert own == f"{hosts[place.node_rank]}:{base_port + place.local_rank}"
+        assert len(addresses) == t.num_devices == len(set(addresses))
+        # the chip is on this host
+        assert t.host_of_chip(place.chip_coords) == place.worker_id
+    # the address list is identical for all ranks of a slice
+    for s in range(num_slices):
+        lists = {env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] for p, env in envs if p.slice_id == s}
+        assert len(lists) == 1
+
+
+def test_launch_env_and_launch_envs_agree():
+    t = Topology.parse("4x4", "TPU-V6E")
+    hosts = _hosts(t)
+    for place, env in launch_envs(t, hosts, xprof_session_id="9"):
+        assert env == launch_env(t, hosts, rank=place.rank, xprof_session_id="9")
+        assert place == worker_place(t, place.rank)
+
+
+def test_build_plan_shape():
+    t = Topology.parse("4x4", "TPU-V6E")
+    plan = build_plan(t, num_slices=2)
+    assert plan["num_workers"] == 32 and plan["num_hosts"] == 4 and plan["pod_type"] == "v6e-16"
+    assert [w["rank"] for w in plan["workers"]] == list(range(32))
+    w = plan["workers"][21]
+    assert (w["slice_id"], w["worker_id"], w["local_rank"], w["node_rank"]) == (1, 1, 1, 5)
+    assert w["host"] == placeholder_hosts(t, 2)[5] == w["env"]["TPU_WORKER_HOSTNAMES"].split(",")[1]
+    assert w["chip_coords"] == [3, 0, 0]
