@@ -6,6 +6,7 @@ Bad input is one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Callable, Optional, Sequence, TextIO
@@ -14,13 +15,19 @@ from ray_train_tpu.launch_env import build_plan
 from ray_train_tpu.topology import GENERATIONS, Topology
 
 
-class _UsageError(Exception):
+# Modules that add a subcommand: each has `register(subparsers, add_slice_args)`,
+# which adds its parser and sets `func(args, out) -> exit status`. They must not
+# import Ray or torch at module level, so that `plan` stays fast.
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+class UsageError(Exception):
     """A mistake in the command line; printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage and exit itself
-        raise _UsageError(message)
+        raise UsageError(message)
 
 
 def _add_slice_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     p.add_argument("--xprof-session-id", default="0", help="TORCH_TPU_XPROF_SESSION_ID to show (default 0)")
     p.set_defaults(func=_plan)
+
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).register(sub, _add_slice_args)
     return parser
 
 
@@ -108,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout, err: Te
         args = parser.parse_args(argv)
         func: Callable[[argparse.Namespace, TextIO], int] = args.func
         return func(args, out)
-    except (_UsageError, ValueError, TypeError) as e:
+    except (UsageError, ValueError, TypeError) as e:
         err.write(f"ray_train_tpu: error: {e}\n")
         return 2
     except SystemExit as e:  # --help
