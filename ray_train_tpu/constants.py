@@ -55,3 +55,10 @@ DEFAULT_MEGASCALE_PORT = 8081
 # Environment every process we start must carry before torch is imported, so that
 # libtpu never queries the cloud metadata server (a stall of minutes off GCP).
 NO_METADATA_SERVER_ENV = {TPU_SKIP_MDS_QUERY: "1"}
+
+# Fault injection for simulated hosts only: seconds a worker waits before it
+# joins the process group (a host that "never joins" the rendezvous).
+RAY_TRAIN_TPU_SIMULATE_STALL_S = "RAY_TRAIN_TPU_SIMULATE_STALL_S"
+
+# libtpu's lock on the chips of a host; held by the process that owns them.
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"

@@ -1,0 +1,118 @@
+"""Every touch of a Ray internal, in one small module, pinned to the Ray we test.
+
+Ray 2.60 orders TPU workers by ``TPU_NAME`` alone
+(``WorkerGroup._sort_workers_by_tpu_pod_name``), which the whole slice shares,
+so node and local ranks end up in whatever order the workers happened to start.
+The narrowest seam is that one static method: ``_assign_worker_ranks`` calls it
+for TPU workers only, then derives world rank (list position), node rank (first
+appearance of each node IP) and local rank (position among the node's workers)
+from the list it returns. We replace it with a sort by (slice name, TPU worker
+id, Ray TPU accelerator id), which makes Ray's ranks equal the ranks of
+`ray_train_tpu.layout`. The method runs in the Train controller actor, which
+imports this module when it unpickles `TPUTorchConfig`.
+
+Also here: the process-wide torch device manager that Ray picks for a worker
+holding TPU resources (``TPUTorchDeviceManager`` -> ``torch.device("tpu")``),
+which explicit simulation replaces with the CPU one, and the GCE metadata query
+that simulation forbids.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional
+
+import ray
+from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+
+logger = logging.getLogger(__name__)
+
+TESTED_RAY_VERSION = "2.60.0"
+_ORIGINAL_SORT = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"]
+_UNKNOWN = 1 << 30
+
+
+def _host_identity() -> tuple[Optional[str], Optional[str]]:
+    """Runs on a worker: its host's slice name and TPU worker id, from env only
+    (Ray's own helper falls back to the GCE metadata server)."""
+    return _environ.get(C.TPU_NAME), _environ.get(C.TPU_WORKER_ID)
+
+
+def _as_int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return _UNKNOWN
+
+
+def sort_tpu_workers(workers: List[Any]) -> List[Any]:
+    """Replacement for ``WorkerGroup._sort_workers_by_tpu_pod_name``: order by
+    (slice name, TPU worker id, TPU accelerator id, node IP)."""
+    identities = ray.get([w.execute_async(_host_identity) for w in workers])
+
+    def key(i: int):
+        worker = workers[i]
+        slice_name, worker_id = identities[i]
+        tpu_ids = worker.metadata.accelerator_ids.get("TPU") or []
+        return (
+            slice_name or "",
+            _as_int(worker_id),
+            min((_as_int(t) for t in tpu_ids), default=_UNKNOWN),
+            worker.metadata.node_ip,
+        )
+
+    return [workers[i] for i in sorted(range(len(workers)), key=key)]
+
+
+def install_tpu_worker_order() -> None:
+    """Make Ray Train order TPU workers by slice, TPU worker id and chip. Idempotent."""
+    if ray.__version__ != TESTED_RAY_VERSION:
+        logger.warning(
+            "ray_train_tpu's worker-order adapter was tested with Ray %s, found %s; "
+            "the backend checks the resulting order and fails if it is wrong",
+            TESTED_RAY_VERSION,
+            ray.__version__,
+        )
+    WorkerGroup._sort_workers_by_tpu_pod_name = staticmethod(sort_tpu_workers)
+
+
+def uninstall_tpu_worker_order() -> None:
+    WorkerGroup._sort_workers_by_tpu_pod_name = _ORIGINAL_SORT
+
+
+def tpu_worker_order_installed() -> bool:
+    current = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"]
+    return getattr(current, "__func__", None) is sort_tpu_workers
+
+
+def use_cpu_device_manager() -> None:
+    """In an explicitly simulated worker: ``ray.train.torch.get_device()`` -> CPU."""
+    import ray.air._internal.device_manager as dm
+    from ray.air._internal.device_manager.cpu import CPUTorchDeviceManager
+
+    with dm._torch_device_manager_lock:
+        dm._torch_device_manager = CPUTorchDeviceManager()
+
+
+def forbid_metadata_server() -> Callable[[], None]:
+    """Make any GCE metadata query of Ray's TPU code fail loudly; returns an undo."""
+    from ray._private.accelerators import tpu as ray_tpu
+
+    original = ray_tpu._get_tpu_metadata
+
+    def _refuse(key: str):
+        raise RuntimeError(
+            f"Ray tried to query the GCE metadata server for {key!r} in a simulated "
+            "TPU cluster; set TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE and "
+            "TPU_TOPOLOGY on the node instead"
+        )
+
+    ray_tpu._get_tpu_metadata = _refuse
+
+    def undo() -> None:
+        ray_tpu._get_tpu_metadata = original
+
+    return undo

@@ -1,0 +1,242 @@
+"""A simulated TPU slice: a real multi-raylet Ray cluster on one machine.
+
+One raylet per TPU host, each on its own loopback address, carrying the TPU
+resources, node labels and host environment that a GKE TPU node has
+(``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``),
+so Ray's real TPU scheduling (``SlicePlacementGroup``, head resources, labels)
+runs unchanged. Simulation is explicit: every process of the cluster carries
+``RAY_TRAIN_TPU_SIMULATE=1``, which is what lets the backend use CPU tensors
+and gloo. Every process also carries ``TPU_SKIP_MDS_QUERY=1`` and
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so libtpu never looks for a cloud metadata
+server and torch never autoloads torch_tpu.
+
+Example:
+    >>> from ray_train_tpu.testing import simulated_tpu_cluster
+    >>> with simulated_tpu_cluster("2x2x2", "TPU-V4") as sim:   # doctest: +SKIP
+    ...     print(sim.hosts)                                       # doctest: +SKIP
+    {(0, 0): '127.0.1.1', (0, 1): '127.0.1.2'}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Iterator, Optional, Sequence
+
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+from ray_train_tpu.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+# Ray rewrites 127.0.0.1 and "localhost" to the machine's routable address, so
+# the head and the hosts use other loopback addresses.
+HEAD_IP = "127.0.0.100"
+_OBJECT_STORE_BYTES = 80 * 2**20
+
+# What every process of a simulated cluster carries, driver included.
+SIMULATION_ENV = {
+    C.RAY_TRAIN_TPU_SIMULATE: "1",
+    C.TPU_SKIP_MDS_QUERY: "1",
+    C.TORCH_DEVICE_BACKEND_AUTOLOAD: "0",
+}
+
+HostKey = tuple[int, int]  # (slice id, TPU worker id)
+
+
+def host_ip(slice_id: int, worker_id: int) -> str:
+    """Loopback address of a simulated host: 127.0.<slice + 1>.<worker id + 1>."""
+    return f"127.0.{slice_id + 1}.{worker_id + 1}"
+
+
+def slice_name(slice_id: int) -> str:
+    return f"sim-slice-{slice_id}"
+
+
+@dataclasses.dataclass
+class SimulatedTPUCluster:
+    """A running simulated cluster; yielded by `simulated_tpu_cluster`."""
+
+    topology: Topology
+    num_slices: int
+    address: str
+    hosts: dict[HostKey, str]  # (slice id, worker id) -> IP of the hosts that joined
+    cluster: "object"  # ray.cluster_utils.Cluster
+    _nodes: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def slice_names(self) -> list[str]:
+        return [slice_name(s) for s in range(self.num_slices)]
+
+    def host_env(self, key: HostKey) -> dict[str, str]:
+        return _host_env(self.topology, *key)
+
+    def remove_host(self, slice_id: int, worker_id: int) -> None:
+        """Take a host away, as a preempted or failed TPU VM (for fault tests)."""
+        node = self._nodes.pop((slice_id, worker_id))
+        self.hosts.pop((slice_id, worker_id))
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def add_host(self, slice_id: int, worker_id: int, *, stall_s: Optional[float] = None) -> None:
+        """(Re)start a host, e.g. after `remove_host`. With `stall_s`, its workers
+        wait that long before joining the process group (a host that never joins)."""
+        key = (slice_id, worker_id)
+        extra = {C.RAY_TRAIN_TPU_SIMULATE_STALL_S: str(stall_s)} if stall_s else None
+        self._nodes[key] = _add_host(self.cluster, self.topology, slice_id, worker_id, self._cpus, extra)
+        self.hosts[key] = host_ip(slice_id, worker_id)
+
+    _cpus: int = 0
+
+
+def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
+    env = {
+        C.TPU_NAME: slice_name(slice_id),
+        C.TPU_WORKER_ID: str(worker_id),
+        C.TPU_ACCELERATOR_TYPE: topology.pod_type,
+        C.TPU_TOPOLOGY: topology.name,
+    }
+    if topology.devices_per_chip > 1:
+        env[C.RAY_TPU_RESOURCE_PER_CHIP] = str(topology.devices_per_chip)
+    return env
+
+
+def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: int, extra_env=None):
+    env = _host_env(topology, slice_id, worker_id)
+    name = slice_name(slice_id)
+    resources = {
+        "TPU": topology.devices_per_host,
+        f"accelerator_type:{topology.accelerator_type}": 1,
+        name: 1,
+    }
+    if worker_id == 0:
+        resources[f"TPU-{topology.pod_type}-head"] = 1
+    labels = {
+        "ray.io/tpu-slice-name": name,
+        "ray.io/tpu-worker-id": str(worker_id),
+        "ray.io/tpu-pod-type": topology.pod_type,
+        "ray.io/tpu-topology": topology.name,
+        "ray.io/accelerator-type": topology.accelerator_type,
+    }
+    # Ray resolves a node's TPU labels in this process from these variables, so
+    # they are set here while the node is added, and in the raylet's env.
+    saved = _environ.snapshot(env)
+    _environ.update(env)
+    try:
+        return cluster.add_node(
+            node_ip_address=host_ip(slice_id, worker_id),
+            num_cpus=cpus,
+            resources=resources,
+            labels=labels,
+            env_vars={**SIMULATION_ENV, **env, **(extra_env or {})},
+            object_store_memory=_OBJECT_STORE_BYTES,
+        )
+    finally:
+        _environ.unset(k for k in env if k not in saved)
+        _environ.update(saved)
+
+
+def _registration_order(topology: Topology, num_slices: int, host_order, missing) -> list[HostKey]:
+    order = list(range(topology.num_hosts)) if host_order is None else list(host_order)
+    if sorted(order) != list(range(topology.num_hosts)):
+        raise ValueError(
+            f"host_order {host_order!r} must be a permutation of the TPU worker ids "
+            f"0..{topology.num_hosts - 1} of {topology}"
+        )
+    keys = [(s, w) for s in range(num_slices) for w in order]
+    for key in missing:
+        if key not in keys:
+            raise ValueError(
+                f"missing_hosts entry {key!r} is not a (slice id, worker id) of "
+                f"{num_slices} x {topology}"
+            )
+    return [k for k in keys if k not in set(missing)]
+
+
+@contextlib.contextmanager
+def simulated_tpu_cluster(
+    topology: str = "2x2x2",
+    accelerator_type: str = "TPU-V4",
+    num_slices: int = 1,
+    *,
+    host_order: Optional[Sequence[int]] = None,
+    missing_hosts: Sequence[HostKey] = (),
+    stalled_hosts: Sequence[HostKey] = (),
+    cpus_per_host: Optional[int] = None,
+    connect: bool = True,
+) -> Iterator[SimulatedTPUCluster]:
+    """Start a simulated TPU cluster, connect to it, and tear it all down on exit.
+
+    Args:
+        topology, accelerator_type: the slice, e.g. ``"2x2x2"`` and ``"TPU-V4"``.
+        num_slices: identical slices, named ``sim-slice-<i>``.
+        host_order: the order in which each slice's hosts register with Ray, as
+            TPU worker ids (default ascending); ranks must not depend on it.
+        missing_hosts: ``(slice id, worker id)`` of hosts that never start.
+        stalled_hosts: ``(slice id, worker id)`` of hosts whose workers start but
+            never join the process group (they wait an hour first).
+        cpus_per_host: logical CPUs per host; default chips + 1, because each of
+            Ray Train's TPU bundles also asks for one CPU.
+        connect: ``ray.init`` the driver to the cluster (default True).
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_train_tpu import _ray_adapter
+
+    topo = Topology.parse(topology, accelerator_type)
+    if not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
+    keys = _registration_order(topo, num_slices, host_order, [tuple(k) for k in missing_hosts])
+    cpus = cpus_per_host if cpus_per_host is not None else topo.devices_per_host + 1
+    driver_env = dict(SIMULATION_ENV)
+    if topo.devices_per_chip > 1:
+        driver_env[C.RAY_TPU_RESOURCE_PER_CHIP] = str(topo.devices_per_chip)
+    saved = _environ.snapshot(driver_env)
+    if ray.is_initialized():
+        raise RuntimeError(
+            "simulated_tpu_cluster: Ray is already initialized in this process; "
+            "call ray.shutdown() first"
+        )
+    _environ.update(driver_env)
+    undo_metadata_guard = _ray_adapter.forbid_metadata_server()
+    cluster = None
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(
+                node_ip_address=HEAD_IP,
+                num_cpus=1,
+                include_dashboard=False,
+                object_store_memory=_OBJECT_STORE_BYTES,
+                env_vars=dict(driver_env),
+            ),
+        )
+        sim = SimulatedTPUCluster(
+            topology=topo, num_slices=num_slices, address=cluster.address, hosts={}, cluster=cluster
+        )
+        sim._cpus = cpus
+        stalled = {tuple(k) for k in stalled_hosts}
+        for slice_id, worker_id in keys:
+            sim.add_host(slice_id, worker_id, stall_s=3600 if (slice_id, worker_id) in stalled else None)
+        cluster.wait_for_nodes(timeout=60)
+        if connect:
+            ray.init(
+                address=cluster.address,
+                _node_ip_address=HEAD_IP,
+                runtime_env={"env_vars": dict(driver_env)},
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
+        logger.info("simulated %d x %s: %d hosts up", num_slices, topo, len(sim.hosts))
+        yield sim
+    finally:
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
+            undo_metadata_guard()
+            _environ.unset(k for k in driver_env if k not in saved)
+            _environ.update(saved)
