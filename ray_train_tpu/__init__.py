@@ -1,6 +1,7 @@
 """Ray Train on Google Cloud TPU slices, with native PyTorch (torch_tpu).
 
-Public API: `Topology`, `TPUScalingConfig`. Names are imported on first use, so
+Public API: `Topology`, `TPUScalingConfig`, `TPUTorchConfig`, `get_device`,
+`setup_process_group` / `shutdown_process_group` (plain Ray actors). Names are imported on first use, so
 that ``python -m ray_train_tpu plan`` starts without importing Ray or torch.
 
 Example:
@@ -16,6 +17,10 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Topology": "ray_train_tpu.topology",
     "TPUScalingConfig": "ray_train_tpu.scaling",
+    "TPUTorchConfig": "ray_train_tpu.config",
+    "get_device": "ray_train_tpu.device",
+    "setup_process_group": "ray_train_tpu.actors",
+    "shutdown_process_group": "ray_train_tpu.actors",
 }
 __all__ = sorted(_PUBLIC)
 

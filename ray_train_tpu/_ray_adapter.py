@@ -116,3 +116,35 @@ def forbid_metadata_server() -> Callable[[], None]:
         ray_tpu._get_tpu_metadata = original
 
     return undo
+
+
+def alive_actors() -> list[dict]:
+    """Alive actors of the connected cluster (class name, node, pid), read from
+    the GCS: the state API needs the dashboard, which simulated clusters omit."""
+    from ray._private import state
+
+    out = []
+    for info in state.actors().values():
+        if info.get("State") == "ALIVE":
+            out.append({
+                "class_name": info.get("ActorClassName"),
+                "node_ip": (info.get("Address") or {}).get("IPAddress"),
+                "pid": info.get("Pid"),
+            })
+    return out
+
+
+def release_failed_worker_group(worker_group: Any) -> None:
+    """Shut down a worker group whose backend set-up failed.
+
+    Ray 2.60 marks the group started before the backend's ``on_start`` runs,
+    so when ``on_start`` raises, ``WorkerGroup._start`` skips its clean-up and
+    the controller never receives the group: its workers and slice placement
+    group would hold the TPUs until the driver exits. Shutting it down here
+    (idempotent with Ray's own clean-up) releases them at once.
+    """
+    if isinstance(worker_group, WorkerGroup) and worker_group.has_started():
+        try:
+            worker_group.shutdown()
+        except Exception:  # the original error matters more; Ray retries clean-up
+            logger.exception("ray_train_tpu: could not shut down the failed worker group")

@@ -73,9 +73,9 @@ def check_tpu_runtime() -> None:
         ) from None
     missing = []
     if torch._C._get_privateuse1_backend_name() != "tpu":
-        missing.append('the "tpu" device')
+        missing.append('"tpu" device')
     if "tpu_dist" not in dist.Backend.backend_list:
-        missing.append('the "tpu_dist" process-group backend')
+        missing.append('"tpu_dist" process-group backend')
     if missing:
         raise RuntimeError(
             f"torch_tpu is installed but registered no {' and no '.join(missing)} in "
@@ -124,12 +124,16 @@ def _lockfile_holder() -> str | None:
         os.close(fd)
 
 
+def arrive() -> None:
+    """Answer the backend's roll call before the rendezvous."""
+    stall = _environ.get(C.RAY_TRAIN_TPU_SIMULATE_STALL_S)
+    if stall and _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
+        time.sleep(float(stall))  # a simulated host that never joins
+
+
 def join_process_group(backend: str, world_rank: int, world_size: int, timeout_s: float) -> None:
     import torch.distributed as dist
 
-    stall = _environ.get(C.RAY_TRAIN_TPU_SIMULATE_STALL_S)
-    if stall and _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
-        time.sleep(float(stall))  # simulated host that never joins
     dist.init_process_group(
         backend=backend,
         init_method="env://",

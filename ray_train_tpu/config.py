@@ -127,10 +127,15 @@ class _TPUTorchBackend(_TorchBackend):
     share_cuda_visible_devices: bool = True
 
     def on_start(self, worker_group, backend_config: TPUTorchConfig):
+        try:
+            self._start(worker_group, backend_config)
+        except BaseException:
+            _ray_adapter.release_failed_worker_group(worker_group)
+            raise
+
+    def _start(self, worker_group, backend_config: TPUTorchConfig):
         reports = worker_group.execute(_worker.report)
-        node_tpus = {n["NodeID"]: n.get("Resources", {}).get("TPU", 0) for n in ray.nodes()}
-        for r in reports:
-            r["node_tpus"] = node_tpus.get(r["node_id"], 0)
+        _fill_node_tpus(reports)
         if not any(r["tpu_ids"] for r in reports):
             # No TPUs: GPUs or CPUs, exactly as Ray's own TorchConfig does it.
             logger.info("ray_train_tpu: workers hold no TPU; using Ray's TorchConfig backend")
@@ -150,6 +155,14 @@ class _TPUTorchBackend(_TorchBackend):
             "ray_train_tpu: %s process group of %d workers on %d x %s%s",
             backend, len(envs), num_slices, topology, " (SIMULATED on CPU)" if mode == "simulate" else "",
         )
+
+    def rank_order(self, reports: list, cfg: TPUTorchConfig) -> list[int]:
+        """Indices of the reporting workers in rank order (for groups that, unlike
+        Ray Train's, are not ranked already)."""
+        _fill_node_tpus(reports)
+        topology = _resolve_topology(reports, cfg)
+        infos = _infos(reports)
+        return layout(infos, topology, len({r["slice_name"] for r in reports})).index_of_rank()
 
     def _worker_envs(self, worker_group, reports, plan: Layout, topology, num_slices, cfg, mode):
         master_port = cfg.master_port
@@ -176,25 +189,18 @@ class _TPUTorchBackend(_TorchBackend):
         ]
 
     def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, plan: Layout):
+        """Roll call, then the process group, each bounded by rendezvous_timeout_s,
+        so a host that never joins fails the attempt naming its ranks."""
         world_size = len(worker_group)
-        futures = [
+        calls = [worker_group.execute_single_async(i, _worker.arrive) for i in range(world_size)]
+        _wait_all(calls, cfg, plan, backend, "answer the roll call before the rendezvous")
+        calls = [
             worker_group.execute_single_async(
                 i, _worker.join_process_group, backend=backend, world_rank=i, world_size=world_size, timeout_s=cfg.timeout_s
             )
             for i in range(world_size)
         ]
-        done, pending = ray.wait(futures, num_returns=len(futures), timeout=cfg.rendezvous_timeout_s)
-        ray.get(done)  # a worker that failed to join raises its own error here
-        if pending:
-            missing = [futures.index(f) for f in pending]
-            hosts = sorted({plan.hosts[_node_rank(r, plan)] for r in missing})
-            raise TimeoutError(
-                f"ray_train_tpu: {len(missing)} of {world_size} workers did not join the "
-                f"{backend} process group within rendezvous_timeout_s="
-                f"{cfg.rendezvous_timeout_s:g}: ranks {_ranges(missing)} on host(s) "
-                f"{', '.join(hosts)}. Check that those hosts are up and reachable on "
-                f"{C.MASTER_PORT}, or raise TPUTorchConfig(rendezvous_timeout_s=...)"
-            )
+        _wait_all(calls, cfg, plan, backend, f"join the {backend} process group")
 
     def on_shutdown(self, worker_group, backend_config):
         futures = worker_group.execute_async(_worker.leave_process_group)
@@ -202,6 +208,20 @@ class _TPUTorchBackend(_TorchBackend):
             ray.get(futures, timeout=30)
         except ray.exceptions.GetTimeoutError:
             logger.warning("ray_train_tpu: process group shutdown timed out after 30 s")
+
+
+def _wait_all(calls: list, cfg: TPUTorchConfig, plan: Layout, backend: str, what: str) -> None:
+    done, pending = ray.wait(calls, num_returns=len(calls), timeout=cfg.rendezvous_timeout_s)
+    ray.get(done)  # a worker that failed raises its own error here
+    if pending:
+        missing = [calls.index(c) for c in pending]
+        hosts = sorted({plan.hosts[_node_rank(r, plan)] for r in missing})
+        raise TimeoutError(
+            f"ray_train_tpu: {len(missing)} of {len(calls)} workers did not {what} within "
+            f"rendezvous_timeout_s={cfg.rendezvous_timeout_s:g}: ranks {_ranges(missing)} on "
+            f"host(s) {', '.join(hosts)}. Check that those hosts are up and reachable "
+            f"(MASTER_ADDR={plan.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)"
+        )
 
 
 def _mode(reports) -> str:
@@ -260,8 +280,14 @@ def _generation_of(pod_type: Optional[str]) -> Optional[str]:
     return get_generation(pod_type.rsplit("-", 1)[0]).accelerator_type
 
 
-def _layout(reports, topology: Topology, num_slices: int) -> Layout:
-    infos = [
+def _fill_node_tpus(reports: list) -> None:
+    node_tpus = {n["NodeID"]: n.get("Resources", {}).get("TPU", 0) for n in ray.nodes()}
+    for r in reports:
+        r["node_tpus"] = node_tpus.get(r["node_id"], 0)
+
+
+def _infos(reports: list) -> list[WorkerInfo]:
+    return [
         WorkerInfo(
             index=i,
             node_ip=r["node_ip"],
@@ -273,7 +299,10 @@ def _layout(reports, topology: Topology, num_slices: int) -> Layout:
         )
         for i, r in enumerate(reports)
     ]
-    plan = layout(infos, topology, num_slices)
+
+
+def _layout(reports, topology: Topology, num_slices: int) -> Layout:
+    plan = layout(_infos(reports), topology, num_slices)
     wrong = [i for i, rank in enumerate(plan.ranks) if rank != i]
     if wrong:
         raise RuntimeError(

@@ -64,6 +64,7 @@ def layout(infos: Sequence[WorkerInfo], topology: Topology, num_slices: int) -> 
     Raises:
         LayoutError: naming the workers and hosts at fault and the fix.
     """
+    _check_one_device_each(infos)
     expected = topology.num_devices * num_slices
     if len(infos) != expected:
         raise LayoutError(
@@ -71,7 +72,6 @@ def layout(infos: Sequence[WorkerInfo], topology: Topology, num_slices: int) -> 
             f"{expected} (one per device); use TPUScalingConfig(topology=..., "
             "accelerator_type=..., num_slices=...) to size the job"
         )
-    _check_one_device_each(infos)
     _check_host_identity(infos)
     by_slice: dict[str, list[WorkerInfo]] = defaultdict(list)
     for info in infos:
