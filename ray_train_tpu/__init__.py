@@ -1,6 +1,7 @@
 """Ray Train on Google Cloud TPU slices, with native PyTorch (torch_tpu).
 
-Public API: `Topology`, `TPUScalingConfig`, `TPUTorchConfig`, `get_device`,
+Public API: `Topology`, `TPUScalingConfig`, `TPUTorchConfig`, `TPUTorchTrainer`,
+`get_device`, `prepare_model`,
 `setup_process_group` / `shutdown_process_group` (plain Ray actors). Names are imported on first use, so
 that ``python -m ray_train_tpu plan`` starts without importing Ray or torch.
 
@@ -18,7 +19,9 @@ _PUBLIC = {
     "Topology": "ray_train_tpu.topology",
     "TPUScalingConfig": "ray_train_tpu.scaling",
     "TPUTorchConfig": "ray_train_tpu.config",
+    "TPUTorchTrainer": "ray_train_tpu.trainer",
     "get_device": "ray_train_tpu.device",
+    "prepare_model": "ray_train_tpu.prepare",
     "setup_process_group": "ray_train_tpu.actors",
     "shutdown_process_group": "ray_train_tpu.actors",
 }

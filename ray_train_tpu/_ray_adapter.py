@@ -52,6 +52,12 @@ def sort_tpu_workers(workers: List[Any]) -> List[Any]:
     """Replacement for ``WorkerGroup._sort_workers_by_tpu_pod_name``: order by
     (slice name, TPU worker id, TPU accelerator id, node IP)."""
     identities = ray.get([w.execute_async(_host_identity) for w in workers])
+    return order_tpu_workers(workers, identities)
+
+
+def order_tpu_workers(workers: List[Any], identities: List[tuple]) -> List[Any]:
+    """`workers` sorted by their (slice name, TPU worker id) `identities`, then
+    by the lowest Ray TPU accelerator id of each and its node IP."""
 
     def key(i: int):
         worker = workers[i]
@@ -148,3 +154,18 @@ def release_failed_worker_group(worker_group: Any) -> None:
             worker_group.shutdown()
         except Exception:  # the original error matters more; Ray retries clean-up
             logger.exception("ray_train_tpu: could not shut down the failed worker group")
+
+
+def route_ray_prepare_model(prepare: Callable[..., Any]) -> None:
+    """In a TPUTorchTrainer worker, send ``ray.train.torch.prepare_model`` to
+    ray_train_tpu's strategies: Ray 2.60 passes ``device_ids`` to DDP (torch_tpu
+    needs none) and allows FSDP only with CUDA. The seam is the method every
+    ``ray.train.torch.prepare_model`` call goes through, whatever name the user
+    imported; `prepare(model, move_to_device, parallel_strategy, kwargs)`."""
+    from ray.train.torch.train_loop_utils import _TorchAccelerator
+
+    def prepare_model(self, model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
+        return prepare(model, move_to_device, parallel_strategy, parallel_strategy_kwargs)
+
+    prepare_model.__doc__ = _TorchAccelerator.prepare_model.__doc__
+    _TorchAccelerator.prepare_model = prepare_model

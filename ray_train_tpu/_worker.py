@@ -148,3 +148,16 @@ def leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def set_strategy_context(strategy, topology: str, accelerator_type: str, num_slices: int) -> None:
+    """Tell `prepare_model` (ours and Ray's) the job's strategy and slice."""
+    from ray_train_tpu import _ray_adapter
+    from ray_train_tpu import prepare
+
+    prepare.set_context(
+        prepare.StrategyContext(
+            strategy=strategy or "ddp", topology=topology, accelerator_type=accelerator_type, num_slices=num_slices
+        )
+    )
+    _ray_adapter.route_ray_prepare_model(prepare._ray_prepare_model)

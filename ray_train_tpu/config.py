@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 from ray.train.torch import TorchConfig
@@ -53,8 +53,8 @@ class TPUTorchConfig(TorchConfig):
     """torch.distributed on TPU slices, for `TPUTorchTrainer` or Ray's `TorchTrainer`.
 
     Args:
-        backend: ``None`` picks ``tpu_dist`` on TPUs, ``gloo`` in explicit
-            simulation, ``nccl`` on GPUs. Set it only to override that choice.
+        backend: ``"auto"`` (default) picks ``tpu_dist`` on TPUs, ``gloo`` in
+            explicit simulation, ``nccl`` on GPUs. Set it only to override that.
         timeout_s: timeout of collective operations, as in `TorchConfig`.
         rendezvous_timeout_s: how long every worker may take to join the process
             group before the attempt fails, naming the ranks and hosts missing.
@@ -67,6 +67,10 @@ class TPUTorchConfig(TorchConfig):
         megascale_port: MegaScale coordinator port for multi-slice jobs.
         extra_env: more variables for every worker; they also override computed
             ones (with a warning naming each), except ranks, which Ray fixes.
+        num_slices: slices in the job; by default the number of slice names the
+            workers report, and checked against them when given.
+        strategy: the parallelism strategy that ``prepare_model`` applies (set by
+            `TPUTorchTrainer`); ``None`` means DDP.
 
     Example:
         >>> from ray.train.torch import TorchTrainer
@@ -78,6 +82,7 @@ class TPUTorchConfig(TorchConfig):
         ... )
     """
 
+    backend: Optional[str] = "auto"
     rendezvous_timeout_s: float = 120.0
     topology: Optional[str] = None
     accelerator_type: Optional[str] = None
@@ -85,8 +90,14 @@ class TPUTorchConfig(TorchConfig):
     master_port: Optional[int] = None
     megascale_port: int = C.DEFAULT_MEGASCALE_PORT
     extra_env: dict = dataclasses.field(default_factory=dict)
+    num_slices: Optional[int] = None
+    strategy: Any = None
 
     def __post_init__(self):
+        if self.backend is None:
+            # Ray's TorchTrainer replaces a None backend with "tpu_dist"; "auto"
+            # keeps the choice ours (tpu_dist, gloo in simulation, nccl on GPUs).
+            self.backend = "auto"
         if self.init_method != "env":
             raise ValueError(
                 f"TPUTorchConfig(init_method={self.init_method!r}) is not supported: "
@@ -120,7 +131,10 @@ class TPUTorchConfig(TorchConfig):
         return _TPUTorchBackend
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["strategy"] = None if self.strategy is None else repr(self.strategy)
+        out["extra_env"] = dict(self.extra_env)
+        return out
 
 
 class _TPUTorchBackend(_TorchBackend):
@@ -139,10 +153,20 @@ class _TPUTorchBackend(_TorchBackend):
         if not any(r["tpu_ids"] for r in reports):
             # No TPUs: GPUs or CPUs, exactly as Ray's own TorchConfig does it.
             logger.info("ray_train_tpu: workers hold no TPU; using Ray's TorchConfig backend")
-            return super().on_start(worker_group, backend_config)
+            ray_config = TorchConfig(
+                backend=None if backend_config.backend == "auto" else backend_config.backend,
+                init_method="env",
+                timeout_s=backend_config.timeout_s,
+            )
+            return super().on_start(worker_group, ray_config)
         mode = _mode(reports)
         topology = _resolve_topology(reports, backend_config)
         num_slices = len({r["slice_name"] for r in reports})
+        if backend_config.num_slices not in (None, num_slices):
+            raise ValueError(
+                f"TPUTorchConfig(num_slices={backend_config.num_slices}) but the workers "
+                f"span {num_slices} slice(s); size the job with TPUScalingConfig(num_slices=...)"
+            )
         plan = _layout(reports, topology, num_slices)
         envs = self._worker_envs(worker_group, reports, plan, topology, num_slices, backend_config, mode)
         ray.get([
@@ -151,6 +175,13 @@ class _TPUTorchBackend(_TorchBackend):
         ])
         backend = _choose_backend(backend_config.backend, mode)
         self._rendezvous(worker_group, backend, backend_config, plan)
+        worker_group.execute(
+            _worker.set_strategy_context,
+            strategy=backend_config.strategy,
+            topology=topology.name,
+            accelerator_type=topology.accelerator_type,
+            num_slices=num_slices,
+        )
         logger.info(
             "ray_train_tpu: %s process group of %d workers on %d x %s%s",
             backend, len(envs), num_slices, topology, " (SIMULATED on CPU)" if mode == "simulate" else "",
@@ -236,8 +267,8 @@ def _mode(reports) -> str:
 
 def _choose_backend(requested: Optional[str], mode: str) -> str:
     if mode != "simulate":
-        return requested or "tpu_dist"
-    if requested in (None, "gloo"):
+        return "tpu_dist" if requested in (None, "auto") else requested
+    if requested in (None, "auto", "gloo"):
         return "gloo"
     if requested == "tpu_dist":
         # Ray's TorchTrainer asks for tpu_dist whenever use_tpu=True.

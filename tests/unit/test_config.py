@@ -1,0 +1,61 @@
+"""TPUTorchConfig: validation, backend choice, and which preset values win."""
+
+import logging
+
+import pytest
+from ray.train.torch import TorchConfig
+
+from ray_train_tpu import TPUTorchConfig
+from ray_train_tpu.config import _choose_backend, _generation_of, _merge_env, _ranges
+
+
+def test_is_a_torch_config_with_auto_backend():
+    cfg = TPUTorchConfig()
+    assert isinstance(cfg, TorchConfig) and cfg.backend == "auto"
+    assert TPUTorchConfig(backend=None).backend == "auto"  # Ray's TorchTrainer would set tpu_dist
+    assert cfg.to_dict()["rendezvous_timeout_s"] == 120.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(init_method="tcp"), "init_method='tcp'"),
+        (dict(rendezvous_timeout_s=0), "rendezvous_timeout_s=0"),
+        (dict(base_port=70000), "base_port=70000"),
+        (dict(extra_env={"A": 1}), "extra_env"),
+        (dict(topology="4x4"), "both topology and accelerator_type"),
+        (dict(topology="4x5", accelerator_type="TPU-V6E"), "valid: 1x1"),
+    ],
+)
+def test_bad_fields(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        TPUTorchConfig(**kwargs)
+
+
+def test_backend_choice(caplog):
+    assert _choose_backend("auto", "tpu") == "tpu_dist"
+    assert _choose_backend("auto", "simulate") == "gloo"
+    with caplog.at_level(logging.WARNING):
+        assert _choose_backend("tpu_dist", "simulate") == "gloo"
+    assert "SIMULATED" in caplog.text and "'tpu_dist' replaced by 'gloo'" in caplog.text
+    with pytest.raises(ValueError, match="cannot run on a simulated slice"):
+        _choose_backend("nccl", "simulate")
+
+
+def test_preset_values_are_kept_with_a_warning_but_ranks_are_ours(caplog):
+    computed = {"RANK": "3", "LOCAL_RANK": "3", "MASTER_PORT": "29500", "TORCH_TPU_BASE_PORT": "x",
+                "TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2"}
+    preset = {"RANK": "7", "MASTER_PORT": "1234", "TPU_WORKER_HOSTNAMES": "host-a,host-b"}
+    extra = {"LOCAL_RANK": "9", "MY_FLAG": "1"}
+    with caplog.at_level(logging.WARNING):
+        env = _merge_env(computed, preset, extra, set())
+    assert env["RANK"] == "3" and env["LOCAL_RANK"] == "3"  # Ray fixes ranks
+    assert env["MASTER_PORT"] == "1234" and env["TPU_WORKER_HOSTNAMES"] == "host-a,host-b"
+    assert env["MY_FLAG"] == "1"
+    assert "keeping MASTER_PORT='1234'" in caplog.text and "ignoring TPUTorchConfig(extra_env) LOCAL_RANK" in caplog.text
+
+
+def test_small_helpers():
+    assert _generation_of("v4-16") == "TPU-V4" and _generation_of("tpu7x-8") == "TPU-V7X"
+    assert _generation_of("v5litepod-16") == "TPU-V5LITEPOD" and _generation_of(None) is None
+    assert _ranges([4, 5, 6, 7, 9, 0]) == "0, 4-7, 9"
