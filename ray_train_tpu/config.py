@@ -360,7 +360,8 @@ def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
             warned.add(key)
             logger.warning("ray_train_tpu: ignoring TPUTorchConfig(extra_env) %s: Ray fixes the ranks", key)
     for key in _RANK_KEYS:
-        env[key] = computed[key]
+        if key in computed:
+            env[key] = computed[key]
     return env
 
 
