@@ -346,22 +346,19 @@ def _layout(reports, topology: Topology, num_slices: int) -> Layout:
 
 
 def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
-    wanted = {k: v for k, v in preset.items() if k not in _RANK_KEYS}
-    wanted.update({k: v for k, v in extra.items()})
+    """The env to apply: computed values, except those already set for the worker
+    or given in extra_env, which win with a warning naming them; ranks (and
+    TPU_VISIBLE_CHIPS) are always computed, since Ray fixes them."""
+    for key in sorted(set(extra) & set(_RANK_KEYS) - warned):
+        warned.add(key)
+        logger.warning("ray_train_tpu: ignoring TPUTorchConfig(extra_env) %s: Ray fixes the ranks", key)
+    wanted = {k: v for k, v in {**preset, **extra}.items() if k not in _RANK_KEYS}
     env, kept = apply_preset(computed, wanted)
     for key, (value, ours) in kept.items():
         if key not in warned:
             warned.add(key)
-            logger.warning("ray_train_tpu: keeping %s=%r already set for the worker (computed %r)", key, value, ours)
-    for key in set(extra) - set(computed):
-        env[key] = extra[key]
-    for key in set(extra) & set(_RANK_KEYS):
-        if key not in warned:
-            warned.add(key)
-            logger.warning("ray_train_tpu: ignoring TPUTorchConfig(extra_env) %s: Ray fixes the ranks", key)
-    for key in _RANK_KEYS:
-        if key in computed:
-            env[key] = computed[key]
+            logger.warning("ray_train_tpu: keeping %s=%r set for the worker (computed %r)", key, value, ours)
+    env.update({k: v for k, v in wanted.items() if k not in computed and k in extra})
     return env
 
 
