@@ -1,0 +1,70 @@
+"""Two simulated slices (v4 2x2x1: one host of 4 chips each), connected "over DCN".
+
+Ranks are slice-major; each slice keeps its own slice-builder addresses; the
+MegaScale variables name the coordinator on slice 0's first host and each
+worker's slice; an all_reduce spans both slices.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
+from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS, build_plan
+from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.topology import Topology
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def sim():
+    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2) as cluster:
+        yield cluster
+
+
+def _probe(config):
+    import torch
+    import torch.distributed as dist
+
+    ctx = ray.train.get_context()
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    Path(config["out"], f"{ctx.get_world_rank()}.json").write_text(json.dumps({
+        "rank": ctx.get_world_rank(), "node_rank": ctx.get_node_rank(), "ip": ray.util.get_node_ip_address(),
+        "slice": os.environ["TPU_NAME"], "sum": t.item(),
+        "env": {k: os.environ.get(k) for k in ENV_KEYS + MEGASCALE_KEYS},
+    }))
+
+
+def test_two_slices_env_and_all_reduce(sim, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = TorchTrainer(
+        _probe,
+        train_loop_config={"out": str(out)},
+        scaling_config=TPUScalingConfig(topology="2x2x1", accelerator_type="TPU-V4", num_slices=2),
+        torch_config=TPUTorchConfig(),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "s"), failure_config=ray.train.FailureConfig(max_failures=0)),
+    ).fit()
+    assert result.error is None
+    records = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    assert sorted(r["rank"] for r in records) == list(range(8))
+    hosts = [sim.hosts[(0, 0)], sim.hosts[(1, 0)]]
+    env0 = next(r for r in records if r["rank"] == 0)["env"]
+    plan = build_plan(Topology.parse("2x2x1", "TPU-V4"), num_slices=2, hosts=hosts,
+                      xprof_session_id=env0["TORCH_TPU_XPROF_SESSION_ID"], master_port=int(env0["MASTER_PORT"]))
+    for r in records:
+        assert r["sum"] == 8.0
+        assert r["env"] == plan["workers"][r["rank"]]["env"]
+        slice_id = r["rank"] // 4
+        assert r["slice"] == f"sim-slice-{slice_id}" and r["ip"] == hosts[slice_id]
+        assert r["env"]["MEGASCALE_SLICE_ID"] == str(slice_id) and r["env"]["MEGASCALE_NUM_SLICES"] == "2"
+        assert r["env"]["MEGASCALE_COORDINATOR_ADDRESS"] == f"{hosts[0]}:8081"
+        assert r["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[r["rank"] % 4] == f"{hosts[slice_id]}:{8070 + r['rank'] % 4}"
+        assert r["node_rank"] == slice_id == int(r["env"]["NODE_RANK"])
