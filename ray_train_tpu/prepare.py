@@ -56,8 +56,8 @@ def prepare_model(model, *, strategy: Any = None, move_to_device: bool = True):
     from ray_train_tpu.strategies import get_strategy
     from ray_train_tpu.topology import Topology
 
-    ctx = _context or StrategyContext(strategy="ddp")
-    chosen = get_strategy(strategy if strategy is not None else ctx.strategy)
+    chosen = get_strategy(strategy) if strategy is not None else current_strategy()
+    ctx = _context or StrategyContext(strategy=chosen)
     device = get_device()
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     topology = Topology.parse(ctx.topology, ctx.accelerator_type) if ctx.topology else None
@@ -85,3 +85,16 @@ def _ray_prepare_model(model, move_to_device=True, parallel_strategy="ddp", para
             "'ddp', 'fsdp' or None"
         )
     return prepare_model(model, move_to_device=bool(move_to_device))
+
+
+def current_strategy():
+    """The strategy object of this worker (after `prepare_model`, with its mesh):
+    e.g. ``current_strategy().distributed_sampler_kwargs`` shards data by the
+    data-parallel ranks only, so tensor-parallel peers read the same batch."""
+    from ray_train_tpu.strategies import get_strategy
+
+    ctx = _context or StrategyContext(strategy="ddp")
+    strategy = get_strategy(ctx.strategy)
+    if ctx.strategy is not strategy:
+        set_context(dataclasses.replace(ctx, strategy=strategy))
+    return strategy

@@ -1,0 +1,144 @@
+"""`Strategy`: how a model is spread over the workers of a job.
+
+A strategy is a small frozen dataclass of settings, checked in ``__post_init__``.
+It is used in three steps, the first on the driver and the others in every
+worker, in the same order on every rank:
+
+1. ``validate(topology, num_slices, world_size)`` returns the `MeshLayout` or
+   raises ``ValueError`` for an impossible layout, before any worker starts;
+2. ``setup(device, world_size, topology, num_slices)`` builds the torch
+   ``DeviceMesh`` once the process group exists;
+3. ``parallelize(model, device)`` moves the model to the device and wraps or
+   shards it (DDP, ``fully_shard``, ``parallelize_module``), returning the model
+   to train.
+
+Example:
+    >>> from ray_train_tpu.strategies import get_strategy
+    >>> from ray_train_tpu.topology import Topology
+    >>> strategy = get_strategy("fsdp2")
+    >>> strategy.validate(Topology.parse("2x2x2", "TPU-V4"), num_slices=2, world_size=16).shape
+    (2, 8, 1)
+    >>> mesh = strategy.setup(device, world_size=16, topology=t, num_slices=2)  # doctest: +SKIP
+    >>> model = strategy.parallelize(model, device)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+from ray_train_tpu.mesh import MeshLayout, build_device_mesh, mesh_layout, mesh_layout_for
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ray_train_tpu.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy(abc.ABC):
+    """Base class of the parallelism strategies; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    # Worker-local runtime state, set by `setup`; never compared, printed or pickled.
+    _mesh: Optional["DeviceMesh"] = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    # Driver side ---------------------------------------------------------
+    def validate(self, topology: Optional["Topology"], num_slices: int, world_size: int) -> MeshLayout:
+        """The mesh this strategy needs for the job, or ``ValueError`` naming the fix.
+
+        `topology` is ``None`` where there is no TPU slice (GPUs, CPU tests);
+        then only `world_size` and `num_slices` constrain the layout.
+        """
+        _check_job(topology, num_slices, world_size)
+        return self._layout(topology, num_slices, world_size)
+
+    @abc.abstractmethod
+    def _layout(self, topology: Optional["Topology"], num_slices: int, world_size: int) -> MeshLayout:
+        """The layout of this strategy; `validate` has checked the job already."""
+
+    # Worker side ---------------------------------------------------------
+    def setup(
+        self, device: "torch.device", world_size: int, topology: Optional["Topology"] = None, num_slices: int = 1
+    ) -> Optional["DeviceMesh"]:
+        """Build this rank's ``DeviceMesh`` (every rank, after ``init_process_group``)."""
+        import torch
+
+        layout = self.validate(topology, num_slices, world_size)
+        mesh = build_device_mesh(layout, torch.device(device).type)
+        # The settings are frozen; the mesh is per-process state that only setup writes.
+        object.__setattr__(self, "_mesh", mesh)
+        return mesh
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The mesh built by `setup`."""
+        if self._mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no device mesh yet: call "
+                "strategy.setup(device, world_size, topology, num_slices) in the worker "
+                "before parallelize()"
+            )
+        return self._mesh
+
+    @abc.abstractmethod
+    def parallelize(self, model: "nn.Module", device: "torch.device") -> "nn.Module":
+        """Move `model` to `device` and apply the strategy; train what it returns."""
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` for ``DistributedSampler``: ranks of one
+        tensor-parallel group read the same data, data-parallel ranks (mesh
+        dimensions whose names start with ``dp``) read different shards."""
+        rank, size = 0, 1
+        coords = self.device_mesh.get_coordinate()
+        for name, coord, n in zip(self.device_mesh.mesh_dim_names, coords, self.device_mesh.shape):
+            if name.startswith("dp"):
+                rank, size = rank * n + coord, size * n
+        return {"num_replicas": size, "rank": rank}
+
+    def __getstate__(self) -> dict:
+        # A strategy shipped to another process must not carry this one's mesh.
+        state = dict(self.__dict__)
+        state.pop("_mesh", None)
+        return state
+
+
+def _check_job(topology: Optional["Topology"], num_slices: int, world_size: int) -> None:
+    for field, value in (("num_slices", num_slices), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+    if topology is not None and world_size != topology.num_devices * num_slices:
+        raise ValueError(
+            f"world_size {world_size} does not fill num_slices={num_slices} x {topology}: "
+            f"ray_train_tpu runs one worker per device, {topology.num_devices * num_slices} "
+            "in all; size the job with TPUScalingConfig(topology=..., num_slices=...)"
+        )
+
+
+def standard_layout(
+    topology: Optional["Topology"], num_slices: int, world_size: int, *, tp_size: int, fsdp: bool
+) -> MeshLayout:
+    """`mesh_layout_for` the topology, or `mesh_layout` of the world size without one."""
+    if topology is not None:
+        return mesh_layout_for(topology, num_slices=num_slices, tp_size=tp_size, fsdp=fsdp)
+    return mesh_layout(world_size, tp_size=tp_size, num_slices=num_slices, fsdp=fsdp)
+
+
+def dp_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
+    """The data-parallel sub-mesh for ``fully_shard``: ``dp_shard`` alone (FSDP), or
+    (``dp_replicate``, ``dp_shard``) for HSDP across slices."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard"]
+
+
+def to_device(model: "nn.Module", device: "torch.device") -> "nn.Module":
+    """``model.to(device)``, except for a model on the meta device: that one is
+    materialized after sharding (``to_empty``), never copied whole."""
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    return model.to(device)

@@ -1,0 +1,18 @@
+"""The plan-scaling benchmark runs and records what it promises (not its timings)."""
+
+import json
+
+from benchmarks import plan_scaling
+
+
+def test_plan_scaling_writes_json(tmp_path, monkeypatch):
+    import benchmarks._common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    result = plan_scaling.main(["--repeats", "1", "--json-up-to", "64"])
+    data = json.loads((tmp_path / "plan_scaling.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(result["rows"]))
+    largest = max(data["rows"], key=lambda r: r["num_workers"])
+    assert largest["num_workers"] == 6144  # v5p 16x16x24
+    assert data["environment"]["simulated"] is False and data["environment"]["cpu_count"] >= 1
+    assert all(r["plan_s"] > 0 for r in data["rows"])
