@@ -68,3 +68,46 @@ def test_two_slices_env_and_all_reduce(sim, tmp_path):
         assert r["env"]["MEGASCALE_COORDINATOR_ADDRESS"] == f"{hosts[0]}:8081"
         assert r["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[r["rank"] % 4] == f"{hosts[slice_id]}:{8070 + r['rank'] % 4}"
         assert r["node_rank"] == slice_id == int(r["env"]["NODE_RANK"])
+
+
+def _ddp_loop(config):
+    import torch
+    import torch.distributed as dist
+
+    import ray_train_tpu
+
+    torch.manual_seed(0)
+    model = ray_train_tpu.prepare_model(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(8, 4) * (dist.get_rank() + 1)  # different data per rank
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w = model.module.weight.detach().clone()
+    gathered = [torch.zeros_like(w) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, w)
+    if dist.get_rank() == 0:
+        Path(config["out"]).write_text(json.dumps({
+            "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered),
+            "world_size": dist.get_world_size()}))
+
+
+def test_short_ddp_run_across_two_slices_keeps_replicas_identical(sim, tmp_path):
+    from ray_train_tpu import TPUTorchTrainer
+
+    out = tmp_path / "ddp.json"
+    result = TPUTorchTrainer(
+        _ddp_loop,
+        train_loop_config={"out": str(out)},
+        scaling_config=TPUScalingConfig(topology="2x2x1", accelerator_type="TPU-V4", num_slices=2),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), failure_config=ray.train.FailureConfig(max_failures=0)),
+    ).fit()
+    assert result.error is None
+    metrics = json.loads(out.read_text())
+    assert metrics["replicas_equal"] is True and metrics["world_size"] == 8
+    from ray_train_tpu.strategies import get_strategy
+
+    layout = get_strategy("fsdp2").validate(Topology.parse("2x2x1", "TPU-V4"), num_slices=2, world_size=8)
+    assert layout.dim_names[0] == "dp_replicate" and layout.shape[0] == 2  # slices outermost (HSDP)
