@@ -42,7 +42,9 @@ _PLAN_EXAMPLE = (
 )
 
 
-def check_tp_plan(cls: str, plan: Optional[Mapping[str, ParallelStyle]], parallelize_fn: Optional[ParallelizeFn]) -> None:
+def check_tp_plan(
+    cls: str, plan: Optional[Mapping[str, ParallelStyle]], parallelize_fn: Optional[ParallelizeFn]
+) -> None:
     """Exactly one of `plan` and `parallelize_fn`, each of the right type."""
     if (plan is None) == (parallelize_fn is None):
         got = "both" if plan is not None else "neither"
@@ -66,7 +68,10 @@ def check_tp_size(cls: str, tp_size: Optional[int]) -> None:
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: "DeviceMesh", plan: Optional[Mapping[str, ParallelStyle]], parallelize_fn: Optional[ParallelizeFn]
+    model: nn.Module,
+    tp_mesh: "DeviceMesh",
+    plan: Optional[Mapping[str, ParallelStyle]],
+    parallelize_fn: Optional[ParallelizeFn],
 ) -> nn.Module:
     """``parallelize_module(model, tp_mesh, plan)``, or the user's function."""
     if plan is not None:
@@ -98,10 +103,10 @@ class TensorParallelStrategy(Strategy):
 
     Example:
         >>> from torch.distributed.tensor.parallel import ColwiseParallel
-        >>> TensorParallelStrategy()
+        >>> TensorParallelStrategy()  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: TensorParallelStrategy needs exactly one of plan={'0': ColwiseParallel(), '2': RowwiseParallel()} (submodule names from model.named_modules(), styles from torch.distributed.tensor.parallel) or parallelize_fn=fn(model, tp_mesh) -> model; got neither
+        ValueError: TensorParallelStrategy needs exactly one of plan={'0': ColwiseParallel(), ...; got neither
     """
 
     name = "tp"

@@ -1,0 +1,395 @@
+"""Strategies: the registry, their errors, and numerical equivalence on CPU/gloo.
+
+Every distributed strategy trains the same MLP (fixed seed) for `STEPS` steps,
+each rank on its data-parallel shard of one global batch, and must end with the
+same full parameters (gathered with ``get_model_state_dict(full_state_dict=True)``)
+as one process trained on the whole batch.
+
+Tolerance: ``atol=1e-6, rtol=1e-5``. Both sides compute in float32; only the
+order of additions differs (gradients summed across ranks and then divided,
+matmuls split over tensor-parallel shards), which moves results by a few ulp
+per step (float32 eps is 1.2e-7). TPU_FACTS measured ~1e-8 for this kind of
+model; the bound leaves two orders of magnitude of room, and the negative
+controls below (no gradient averaging, another seed) are off by > 1e-3.
+
+bf16 mixed precision (``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``; float32 master weights) is looser: bfloat16 keeps 8
+bits of mantissa (eps 7.8e-3), so every forward/backward is off by ~1e-2
+relative. With SGD the parameters must stay within ``atol=5e-3`` (measured
+7e-4). With AdamW single weights are not comparable: its first updates are
+~lr * sign(grad), so a gradient that bfloat16 rounds across zero moves that
+weight by 2 * lr = 0.02; there the whole update (final - initial weights) must
+match the fp32 update to 10% in L2 norm (measured 4%; without gradient
+averaging it is off by far more).
+
+The distributed runs are grouped: one spawned world of 2 and one of 4 ranks
+train every case (module fixtures); the tests then compare. Each test prints
+its max abs difference (``pytest -s``) and reports it in its assertion.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import _spawn
+from ray_train_tpu.mesh import MeshLayout
+from ray_train_tpu.strategies import (
+    DDPStrategy,
+    FSDP2Strategy,
+    FSDP2TPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+    TensorParallelStrategy,
+    get_strategy,
+)
+from ray_train_tpu.strategies import ddp as ddp_module
+from ray_train_tpu.strategies.tensor_parallel import apply_tp
+from ray_train_tpu.topology import Topology
+
+SEED = 0
+STEPS = 5
+GLOBAL_BATCH = 16
+ATOL, RTOL = 1e-6, 1e-5
+BF16_ATOL = 5e-3
+BF16_ADAMW_UPDATE_RTOL = 0.1
+OPTIMIZERS = ("sgd", "adamw")
+PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+V4_2x2x2 = Topology.parse("2x2x2", "TPU-V4")
+
+
+def mlp(seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+def optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def train(model: nn.Module, opt_name: str, num_replicas: int = 1, rank: int = 0) -> torch.optim.Optimizer:
+    """`STEPS` steps, each on shard `rank` of `num_replicas` of the global batch."""
+    opt = optimizer(opt_name, model.parameters())
+    for step in range(STEPS):
+        x, y = (t.chunk(num_replicas)[rank] for t in batch(step))
+        loss = F.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return opt
+
+
+def reference(opt_name: str, seed: int = SEED) -> dict[str, torch.Tensor]:
+    model = mlp(seed)
+    train(model, opt_name)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# Worker side (runs in spawned ranks) -------------------------------------------------
+
+
+def _model_parallel_fn(model: nn.Module, mesh) -> nn.Module:
+    parallelize_module(model, mesh["tp"], PLAN)
+    for child in model:
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _strategy(case: str, world_size: int) -> tuple[Strategy, int]:
+    """(strategy, num_slices) for a case name."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {
+        "ddp": (DDPStrategy(), 1),
+        "fsdp2": (FSDP2Strategy(), 1),
+        "fsdp2_hsdp": (FSDP2Strategy(), 2),  # 2 simulated slices: replicate x shard
+        "fsdp2_bf16": (FSDP2Strategy(mp_policy=bf16), 1),
+        "tp": (TensorParallelStrategy(plan=PLAN), 1),
+        "fsdp2+tp": (FSDP2TPStrategy(tp_size=2, plan=PLAN), 1),
+        "model_parallel": (
+            ModelParallelStrategy(parallelize_fn=_model_parallel_fn, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp")),
+            1,
+        ),
+    }[case]
+
+
+def _train_case(rank: int, world_size: int, case: str) -> dict:
+    """Train `case` with every optimizer; one mesh per case (meshes cost group set-ups)."""
+    cpu = torch.device("cpu")
+    if case == "no_grad_avg":  # negative control: each rank trains alone on its shard
+        out = {}
+        for opt_name in OPTIMIZERS:
+            model = mlp()
+            train(model, opt_name, world_size, rank)
+            out[opt_name] = {"state": model.state_dict() if rank == 0 else None, "meta": {}}
+        return out
+    strategy, num_slices = _strategy(case, world_size)
+    strategy.setup(cpu, world_size, None, num_slices)
+    return {opt_name: _train_one(rank, strategy, opt_name) for opt_name in OPTIMIZERS}
+
+
+def _train_one(rank: int, strategy: Strategy, opt_name: str) -> dict:
+    model = strategy.parallelize(mlp(), torch.device("cpu"))
+    kw = strategy.distributed_sampler_kwargs
+    opt = train(model, opt_name, kw["num_replicas"], kw["rank"])
+    weight = getattr(model, "module", model)[0].weight  # DDP wraps in .module
+    meta = {
+        "sampler": kw,
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "opt_state_dtypes": sorted(
+            {str(v.dtype) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()}
+        ),
+        "local_shape_0": tuple(weight.to_local().shape) if hasattr(weight, "to_local") else None,
+        "mesh": None if strategy._mesh is None else strategy.device_mesh.mesh.tolist(),
+    }
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None, "meta": meta}
+
+
+def _train_all(rank: int, world_size: int, cases: tuple) -> dict:
+    return {
+        (case, opt): result
+        for case in cases
+        for opt, result in _train_case(rank, world_size, case).items()
+    }
+
+
+# Fixtures: one spawned world per size ----------------------------------------------------
+
+CASES_2 = ("ddp", "tp")
+CASES_4 = ("ddp", "fsdp2", "fsdp2_hsdp", "fsdp2_bf16", "fsdp2+tp", "model_parallel", "no_grad_avg")
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return _spawn.run(_train_all, 2, CASES_2, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _spawn.run(_train_all, 4, CASES_4, timeout_s=360)
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {opt: reference(opt) for opt in OPTIMIZERS}
+
+
+def _check_close(results, case, opt, refs, atol=ATOL, rtol=RTOL) -> float:
+    state = results[0][(case, opt)]["state"]
+    diff = max_abs_diff(state, refs[opt])
+    print(f"{case} world={len(results)} {opt}: max abs diff {diff:.3g}")
+    for k, v in state.items():
+        torch.testing.assert_close(
+            v, refs[opt][k], atol=atol, rtol=rtol,
+            msg=lambda m: f"{case}/{opt} {k}: {m} (max abs diff over all params {diff:.3g})",
+        )
+    return diff
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("case", CASES_2)
+def test_world2_matches_single_process(world2, refs, case, opt):
+    _check_close(world2, case, opt, refs)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("case", ["ddp", "fsdp2", "fsdp2_hsdp", "fsdp2+tp", "model_parallel"])
+def test_world4_matches_single_process(world4, refs, case, opt):
+    _check_close(world4, case, opt, refs)
+
+
+def test_sharding_really_happened(world2, world4):
+    # TP splits Linear(16, 32) column-wise over 2 ranks: 16 rows each.
+    assert world2[0][("tp", "sgd")]["meta"]["local_shape_0"] == (16, 16)
+    # FSDP2 over 4 ranks: 32 rows / 4. FSDP2+TP: TP halves, then FSDP halves again.
+    assert world4[0][("fsdp2", "sgd")]["meta"]["local_shape_0"] == (8, 16)
+    assert world4[0][("fsdp2+tp", "sgd")]["meta"]["local_shape_0"] == (8, 16)
+    # Ranks of one tp group read the same data shard; dp ranks read different ones.
+    samplers = [r[("fsdp2+tp", "sgd")]["meta"]["sampler"] for r in world4]
+    assert samplers == [{"num_replicas": 2, "rank": rank // 2} for rank in range(4)]
+    assert world4[0][("fsdp2+tp", "sgd")]["meta"]["mesh"] == [[[0, 1], [2, 3]]]  # dp_replicate, dp_shard, tp
+    assert world4[0][("fsdp2_hsdp", "sgd")]["meta"]["mesh"] == [[[0], [1]], [[2], [3]]]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_skipping_gradient_averaging_fails_the_tolerance(world4, refs, opt):
+    state = world4[0][("no_grad_avg", opt)]["state"]
+    diff, err = max_abs_diff(state, refs[opt]), _update_error(state, refs[opt])
+    print(f"no_grad_avg {opt}: max abs diff {diff:.3g}, relative update error {err:.3g}")
+    assert diff > 100 * ATOL, f"the equivalence tests could not tell (max abs diff {diff:.3g})"
+    assert err > BF16_ADAMW_UPDATE_RTOL, f"the bf16 update bound could not tell (relative update error {err:.3g})"
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_another_seed_fails_the_tolerance(refs, opt):
+    diff = max_abs_diff(reference(opt, seed=SEED + 1), refs[opt])
+    assert diff > 100 * ATOL, f"max abs diff {diff:.3g}"
+
+
+def _update_error(state: dict, ref: dict) -> float:
+    """|bf16 update - fp32 update| / |fp32 update|, over all parameters (updates from the initial weights)."""
+    init = mlp().state_dict()
+    num = sum(((state[k] - ref[k]) ** 2).sum() for k in ref)
+    den = sum(((ref[k] - init[k]) ** 2).sum() for k in ref)
+    return (num / den).sqrt().item()
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_fsdp2_bf16_keeps_fp32_master_params(world4, opt):
+    for rank_result in world4:
+        meta = rank_result[("fsdp2_bf16", opt)]["meta"]
+        assert meta["param_dtypes"] == ["torch.float32"]
+        assert meta["opt_state_dtypes"] in ([], ["torch.float32"])
+    assert all(v.dtype == torch.float32 for v in world4[0][("fsdp2_bf16", opt)]["state"].values())
+
+
+def test_fsdp2_bf16_sgd_stays_close_to_fp32(world4, refs):
+    diff = _check_close(world4, "fsdp2_bf16", "sgd", refs, atol=BF16_ATOL, rtol=0)
+    assert diff > 10 * ATOL, f"bf16 compute should differ from fp32 (max abs diff {diff:.3g}); was the policy applied?"
+
+
+def test_fsdp2_bf16_adamw_update_stays_close_to_fp32(world4, refs):
+    # Adam's first steps are ~lr * sign(grad): a gradient that bf16 rounds across zero
+    # moves that weight by 2 * lr, so compare the whole update, not single weights.
+    state = world4[0][("fsdp2_bf16", "adamw")]["state"]
+    err, diff = _update_error(state, refs["adamw"]), max_abs_diff(state, refs["adamw"])
+    print(f"fsdp2_bf16 world=4 adamw: max abs diff {diff:.3g}, relative update error {err:.3g}")
+    assert 1e-4 < err < BF16_ADAMW_UPDATE_RTOL, f"relative update error {err:.3g} (max abs diff {diff:.3g})"
+
+
+# Registry and errors (driver side, no processes) -----------------------------------------
+
+
+def test_registry_names_and_default():
+    assert isinstance(get_strategy(), DDPStrategy)
+    assert isinstance(get_strategy("ddp"), DDPStrategy)
+    assert isinstance(get_strategy(" FSDP2 "), FSDP2Strategy)
+    s = FSDP2TPStrategy(tp_size=2, plan=PLAN)
+    assert get_strategy(s) is s
+
+
+def test_unknown_strategy_lists_valid_names():
+    with pytest.raises(ValueError, match=r"strategy 'zero3' is not known; valid: ddp, fsdp2, tp, fsdp2\+tp"):
+        get_strategy("zero3")
+    with pytest.raises(TypeError, match="must be a name"):
+        get_strategy(3)
+
+
+@pytest.mark.parametrize("name", ["tp", "fsdp2+tp"])
+def test_tensor_parallel_without_plan_says_how_to_give_one(name):
+    with pytest.raises(ValueError, match=r"needs exactly one of plan=\{'0': ColwiseParallel\(\).*parallelize_fn=fn\(model, tp_mesh\)"):
+        get_strategy(name)
+
+
+def test_model_parallel_without_fn_says_how():
+    with pytest.raises(ValueError, match=r"parallelize_fn=None\) must be a function fn\(model, mesh\)"):
+        get_strategy("model_parallel")
+
+
+def test_bad_plan_and_policy_types():
+    with pytest.raises(TypeError, match="maps submodule names"):
+        TensorParallelStrategy(plan={"0": "colwise"})
+    with pytest.raises(ValueError, match="got both"):
+        TensorParallelStrategy(plan=PLAN, parallelize_fn=lambda m, mesh: m)
+    with pytest.raises(TypeError, match="must be a torch.distributed.fsdp.MixedPrecisionPolicy"):
+        FSDP2Strategy(mp_policy={"param_dtype": torch.bfloat16})
+    with pytest.raises(TypeError, match="shard_modules"):
+        FSDP2Strategy(shard_modules=["Linear"])
+    assert FSDP2Strategy(shard_modules=[nn.Linear]).shard_modules == (nn.Linear,)
+
+
+def test_strategies_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FSDP2Strategy().reshard_after_forward = False
+
+
+def test_tp_size_not_dividing_devices_per_host():
+    s = FSDP2TPStrategy(tp_size=3, plan=PLAN)
+    with pytest.raises(ValueError, match=r"tp_size=3 does not divide the 4 devices per host of TPU-V4 2x2x2 \(v4-16\); use 1, 2 or 4"):
+        s.validate(V4_2x2x2, num_slices=1, world_size=8)
+
+
+def test_tp_without_data_parallel_averaging_is_refused():
+    with pytest.raises(ValueError, match=r"tp_size=4\) leaves 2 data-parallel replicas.*FSDP2TPStrategy"):
+        TensorParallelStrategy(plan=PLAN, tp_size=4).validate(V4_2x2x2, 1, 8)
+    # tp over the whole slice would cross hosts
+    with pytest.raises(ValueError, match="tp_size=8 does not divide the 4 devices per host"):
+        TensorParallelStrategy(plan=PLAN).validate(V4_2x2x2, 1, 8)
+
+
+def test_fsdp2_tp_defaults_to_one_host_per_tp_group():
+    s = FSDP2TPStrategy(plan=PLAN)
+    assert s.validate(V4_2x2x2, num_slices=2, world_size=16) == MeshLayout(
+        shape=(2, 2, 4), dim_names=("dp_replicate", "dp_shard", "tp")
+    )
+    with pytest.raises(ValueError, match=r"tp_size=None\) means all devices of a host.*pass tp_size=N"):
+        s.validate(None, num_slices=1, world_size=4)
+
+
+def test_world_size_must_fill_the_slices():
+    with pytest.raises(ValueError, match=r"world_size 6 does not fill num_slices=1 x TPU-V4 2x2x2 \(v4-16\).*8 in all"):
+        DDPStrategy().validate(V4_2x2x2, num_slices=1, world_size=6)
+
+
+def test_model_parallel_mesh_product_must_equal_world_size():
+    s = ModelParallelStrategy(parallelize_fn=_model_parallel_fn, mesh_shape=[2, 3], mesh_dim_names=["dp", "tp"])
+    assert s.mesh_shape == (2, 3)
+    with pytest.raises(ValueError, match=r"mesh_shape=\(2, 3\)\) has 6 ranks but world_size is 4; the product"):
+        s.validate(None, num_slices=1, world_size=4)
+    bad = ModelParallelStrategy(parallelize_fn=_model_parallel_fn, mesh_shape=(2, 4), mesh_dim_names=("tp", "dp"))
+    with pytest.raises(ValueError, match="'tp' must be last"):
+        bad.validate(V4_2x2x2, 1, 8)
+    with pytest.raises(ValueError, match="one name per dimension"):
+        ModelParallelStrategy(parallelize_fn=_model_parallel_fn, mesh_shape=(2, 2), mesh_dim_names=("dp",))
+
+
+def test_parallelize_before_setup_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"call strategy.setup\(device, world_size, topology, num_slices\)"):
+        FSDP2Strategy().parallelize(mlp(), torch.device("cpu"))
+
+
+def test_ddp_on_one_worker_is_not_wrapped():
+    model = mlp()
+    assert DDPStrategy().parallelize(model, torch.device("cpu")) is model
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cpu", {}),
+    ("privateuseone", {}),  # torch_tpu's "tpu" is PrivateUse1 renamed: DDP without device_ids
+    ("cuda:0", {"device_ids": [torch.device("cuda:0")]}),
+])
+def test_ddp_passes_device_ids_only_on_cuda(monkeypatch, device, expected):
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(ddp_module, "to_device", lambda model, device: model)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda model, **kw: calls.append(kw) or model)
+    DDPStrategy().parallelize(mlp(), torch.device(device))
+    assert calls == [{"find_unused_parameters": False, **expected}]
+
+
+def test_tp_plan_names_must_exist_and_fn_must_return_the_model():
+    with pytest.raises(ValueError, match=r"plan names submodules the model does not have: \['layers.0'\]"):
+        apply_tp(mlp(), None, {"layers.0": ColwiseParallel()}, None)
+    with pytest.raises(TypeError, match="parallelize_fn must return the parallelized nn.Module, got NoneType"):
+        apply_tp(mlp(), None, None, lambda model, mesh: None)
