@@ -18,7 +18,7 @@ from ray_train_tpu.topology import GENERATIONS, Topology
 # Modules that add a subcommand: each has `register(subparsers, add_slice_args)`,
 # which adds its parser and sets `func(args, out) -> exit status`. They must not
 # import Ray or torch at module level, so that `plan` stays fast.
-_COMMAND_MODULES: tuple[str, ...] = ("ray_train_tpu.kuberay", "ray_train_tpu.demo")
+_COMMAND_MODULES: tuple[str, ...] = ("ray_train_tpu.kuberay", "ray_train_tpu.demo", "ray_train_tpu.doctor")
 
 
 class UsageError(Exception):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
@@ -78,12 +78,39 @@ class SimulatedTPUCluster:
         self.hosts.pop((slice_id, worker_id))
         self.cluster.remove_node(node, allow_graceful=False)
 
-    def add_host(self, slice_id: int, worker_id: int, *, stall_s: Optional[float] = None) -> None:
+    def add_host(
+        self,
+        slice_id: int,
+        worker_id: int,
+        *,
+        stall_s: Optional[float] = None,
+        topology: Optional[Topology] = None,
+        env: Optional[Mapping[str, Optional[str]]] = None,
+        labels: Optional[Mapping[str, Optional[str]]] = None,
+        resources: Optional[Mapping[str, Optional[float]]] = None,
+    ) -> None:
         """(Re)start a host, e.g. after `remove_host`. With `stall_s`, its workers
-        wait that long before joining the process group (a host that never joins)."""
+        wait that long before joining the process group (a host that never joins).
+
+        The other keywords inject faults (see ``tests/distributed/test_doctor.py``):
+
+        - `topology`: the host's slice, when it is not the cluster's (e.g. a v7x
+          host next to v4 slices).
+        - `env`: host variables over the usual ``TPU_*`` ones; ``None`` removes
+          one. Ray derives the node's labels, and adds its slice-name and
+          ``TPU-<pod type>-head`` resources, from them.
+        - `labels`: node labels over the usual ones (``None`` removes one), as
+          ``ray start --labels`` overrides what Ray derives.
+        - `resources`: node resources over the usual ones (``None`` removes one),
+          e.g. ``{"TPU": 3}``. To drop the head resource, also give `env` a
+          ``TPU_WORKER_ID`` other than 0, or Ray adds it back.
+        """
         key = (slice_id, worker_id)
         extra = {C.RAY_TRAIN_TPU_SIMULATE_STALL_S: str(stall_s)} if stall_s else None
-        self._nodes[key] = _add_host(self.cluster, self.topology, slice_id, worker_id, self._cpus, extra)
+        self._nodes[key] = _add_host(
+            self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
+            env=env, labels=labels, resources=resources,
+        )
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
@@ -101,17 +128,27 @@ def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, st
     return env
 
 
-def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: int, extra_env=None):
-    env = _host_env(topology, slice_id, worker_id)
+def _overlay(base: Mapping, overrides: Optional[Mapping]) -> dict:
+    """`base` updated with `overrides`; a ``None`` value removes the key."""
+    out = {**base, **(overrides or {})}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: int, extra_env=None,
+              *, env=None, labels=None, resources=None):
+    """Start one host's raylet. `extra_env` goes to the raylet only; `env`,
+    `labels` and `resources` override the host's usual ones (see `add_host`)."""
+    removed = [k for k, v in (env or {}).items() if v is None]
+    env = _overlay(_host_env(topology, slice_id, worker_id), env)
     name = slice_name(slice_id)
-    resources = {
+    node_resources = {
         "TPU": topology.devices_per_host,
         f"accelerator_type:{topology.accelerator_type}": 1,
         name: 1,
     }
     if worker_id == 0:
-        resources[f"TPU-{topology.pod_type}-head"] = 1
-    labels = {
+        node_resources[f"TPU-{topology.pod_type}-head"] = 1
+    node_labels = {
         "ray.io/tpu-slice-name": name,
         "ray.io/tpu-worker-id": str(worker_id),
         "ray.io/tpu-pod-type": topology.pod_type,
@@ -120,14 +157,15 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     }
     # Ray resolves a node's TPU labels in this process from these variables, so
     # they are set here while the node is added, and in the raylet's env.
-    saved = _environ.snapshot(env)
+    saved = _environ.snapshot(list(env) + removed)
     _environ.update(env)
+    _environ.unset(removed)
     try:
         return cluster.add_node(
             node_ip_address=host_ip(slice_id, worker_id),
             num_cpus=cpus,
-            resources=resources,
-            labels=labels,
+            resources=_overlay(node_resources, resources),
+            labels=_overlay(node_labels, labels),
             env_vars={**SIMULATION_ENV, **env, **(extra_env or {})},
             object_store_memory=_OBJECT_STORE_BYTES,
         )
@@ -162,6 +200,7 @@ def simulated_tpu_cluster(
     host_order: Optional[Sequence[int]] = None,
     missing_hosts: Sequence[HostKey] = (),
     stalled_hosts: Sequence[HostKey] = (),
+    host_env: Optional[Mapping[HostKey, Mapping[str, str]]] = None,
     cpus_per_host: Optional[int] = None,
     connect: bool = True,
 ) -> Iterator[SimulatedTPUCluster]:
@@ -175,6 +214,9 @@ def simulated_tpu_cluster(
         missing_hosts: ``(slice id, worker id)`` of hosts that never start.
         stalled_hosts: ``(slice id, worker id)`` of hosts whose workers start but
             never join the process group (they wait an hour first).
+        host_env: extra variables for the raylets (and so the workers) of some
+            hosts, by ``(slice id, worker id)``: fault injection, e.g. the
+            ``RAY_TRAIN_TPU_SIMULATE_*`` knobs of `ray_train_tpu.doctor`.
         cpus_per_host: logical CPUs per host; default chips + 1, because each of
             Ray Train's TPU bundles also asks for one CPU.
         connect: ``ray.init`` the driver to the cluster (default True).
@@ -188,6 +230,10 @@ def simulated_tpu_cluster(
     if not isinstance(num_slices, int) or num_slices < 1:
         raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
     keys = _registration_order(topo, num_slices, host_order, [tuple(k) for k in missing_hosts])
+    host_env = {tuple(k): v for k, v in (host_env or {}).items()}
+    for key in host_env:
+        if key not in keys:
+            raise ValueError(f"host_env key {key!r} is not a (slice id, worker id) of a started host")
     cpus = cpus_per_host if cpus_per_host is not None else topo.devices_per_host + 1
     driver_env = dict(SIMULATION_ENV)
     if topo.devices_per_chip > 1:
@@ -218,7 +264,11 @@ def simulated_tpu_cluster(
         sim._cpus = cpus
         stalled = {tuple(k) for k in stalled_hosts}
         for slice_id, worker_id in keys:
-            sim.add_host(slice_id, worker_id, stall_s=3600 if (slice_id, worker_id) in stalled else None)
+            sim.add_host(
+                slice_id, worker_id,
+                stall_s=3600 if (slice_id, worker_id) in stalled else None,
+                env=host_env.get((slice_id, worker_id)),
+            )
         cluster.wait_for_nodes(timeout=60)
         if connect:
             ray.init(

@@ -1,0 +1,599 @@
+"""``python -m ray_train_tpu doctor``: a running Ray cluster's TPU slices, and what is wrong with them.
+
+It reads every alive node from ``ray.nodes()`` (resources and the labels Ray's
+TPU scheduling uses), runs a tiny task pinned to each TPU host (no CPU, no TPU,
+never imports torch or torch_tpu), and reports slices, hosts and problems as a
+table or as JSON. Exit status: 0 healthy, 1 a problem found, 2 bad input or no
+cluster to talk to.
+
+Checks (the ``check`` field of each problem):
+
+- ``no_tpu_hosts``: no alive node has a TPU resource or a ``ray.io/tpu-*`` label.
+- ``missing_label``, ``bad_worker_id``: a TPU host lacks one of Ray's TPU labels,
+  or ``ray.io/tpu-worker-id`` is not a non-negative integer.
+- ``inconsistent_labels``: hosts of one slice disagree on topology, pod type or generation.
+- ``bad_topology``: ``ray.io/tpu-topology`` is not a slice of that generation.
+- ``pod_type_mismatch``: ``ray.io/tpu-pod-type`` is not the topology's (``2x2x2`` is ``v4-16``).
+- ``missing_host``, ``duplicate_worker_id``, ``unexpected_worker_id``: a slice's
+  worker ids are not exactly 0..hosts-1 of its topology.
+- ``missing_head_resource``, ``misplaced_head_resource``: worker 0 lacks
+  ``TPU-<pod type>-head`` (Ray reserves a slice through it), or another host has it.
+- ``chip_count_mismatch``: hosts of one slice have different chip counts.
+- ``topology_chips_mismatch``: a host's chips are not the topology's chips per
+  host (hosts x chips per host must make the slice).
+- ``resource_per_chip``: ``RAY_TPU_RESOURCE_PER_CHIP`` is not the TorchTPU
+  devices per chip (2 on v7x, unset or 1 elsewhere).
+- ``torch_tpu_missing``, ``libtpu_missing``: the package cannot be found on the host.
+- ``lockfile_held``: a process holds libtpu's lockfile, so torch_tpu cannot open the chips.
+- ``env_label_mismatch``: a host's ``TPU_*`` variables disagree with its labels
+  (labels set by hand override what Ray derives from them).
+- ``version_mismatch``: TPU hosts have different torch_tpu or libtpu versions.
+- ``host_check_timeout``, ``host_check_failed``: a host's check did not answer in
+  time (``--timeout``) or raised.
+
+Example:
+    >>> nodes = [{"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.2",
+    ...           "Resources": {"TPU": 4.0, "TPU-v4-8-head": 1.0},
+    ...           "Labels": {"ray.io/tpu-slice-name": "s", "ray.io/tpu-worker-id": "0",
+    ...                      "ray.io/tpu-pod-type": "v4-8", "ray.io/tpu-topology": "2x2x1",
+    ...                      "ray.io/accelerator-type": "TPU-V4"}}]
+    >>> diagnose(nodes)["healthy"]
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import re
+import sys
+from typing import Callable, Iterable, Mapping, Optional, TextIO
+
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+from ray_train_tpu.topology import Generation, Topology, get_generation
+
+# Node labels Ray sets on TPU hosts (ray._raylet.RAY_NODE_TPU_*_KEY).
+SLICE_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+POD_TYPE_LABEL = "ray.io/tpu-pod-type"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+TPU_LABELS = (SLICE_LABEL, WORKER_ID_LABEL, POD_TYPE_LABEL, TOPOLOGY_LABEL, ACCELERATOR_LABEL)
+
+# Where Ray looks for a cluster when no address is given.
+RAY_ADDRESS = "RAY_ADDRESS"
+
+# Testing knobs, honoured on simulated hosts only (RAY_TRAIN_TPU_SIMULATE=1),
+# whose hosts share one /tmp and one Python environment:
+# a path that stands in for /tmp/libtpu_lockfile on this host, and
+# comma-separated packages (torch_tpu, libtpu) the check treats as absent.
+SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"
+SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES"
+
+DEFAULT_TIMEOUT_S = 30.0
+_CONNECT_TIMEOUT_S = 5.0
+FORMATS = ("table", "json")
+
+# Packages a TPU host needs: import name -> distribution names that provide it.
+_PACKAGES = {"torch_tpu": ("torch-tpu", "torch_tpu"), "libtpu": ("libtpu", "libtpu-nightly")}
+_PROBE_ENV = (C.TPU_NAME, C.TPU_WORKER_ID, C.TPU_ACCELERATOR_TYPE, C.TPU_TOPOLOGY, C.RAY_TPU_RESOURCE_PER_CHIP)
+
+
+# --- Runs on each TPU host ------------------------------------------------------------------------
+
+
+def probe_host(lockfile: str = C.LIBTPU_LOCKFILE) -> dict:
+    """What torch_tpu needs on this host: its packages, a free libtpu lockfile, the ``TPU_*`` env.
+
+    Runs in a Ray task on each TPU host. It finds packages with
+    ``importlib.util.find_spec`` and never imports torch or torch_tpu (that
+    would initialise libtpu and take the chips).
+    """
+    import importlib.util
+
+    hidden: set[str] = set()
+    if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
+        lockfile = _environ.get(SIMULATE_LIBTPU_LOCKFILE) or lockfile
+        hidden = {m.strip() for m in (_environ.get(SIMULATE_MISSING_MODULES) or "").split(",") if m.strip()}
+    packages = {}
+    for name, dists in _PACKAGES.items():
+        try:
+            found = name not in hidden and importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        packages[name] = {"found": found, "version": _version(dists) if found else None}
+    return {
+        "packages": packages,
+        "lockfile": lockfile,
+        "lockfile_holder": lockfile_holder(lockfile),
+        "env": _environ.snapshot(_PROBE_ENV),
+    }
+
+
+def _version(dists: Iterable[str]) -> Optional[str]:
+    from importlib import metadata
+
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def lockfile_holder(path: str) -> Optional[dict]:
+    """Who holds libtpu's lockfile at `path`: ``{"pid", "name"}`` (either may be
+    None), or None when the file is absent or free. Never blocks (``LOCK_NB``)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            pid = _lock_owner_pid(fd)
+            return {"pid": pid, "name": _process_name(pid)}
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _lock_owner_pid(fd: int) -> Optional[int]:
+    """The pid of a conflicting POSIX lock (F_GETLK), Linux only; 0 or None if unknown."""
+    import fcntl
+    import struct
+
+    if not sys.platform.startswith("linux"):
+        return None
+    layout = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(layout, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return None
+    l_type, _, _, _, pid = struct.unpack(layout, answer)
+    return pid if l_type != fcntl.F_UNLCK and pid > 0 else None  # 0: another PID namespace
+
+
+def _process_name(pid: Optional[int]) -> Optional[str]:
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+# --- Pure: nodes and probe answers -> report ------------------------------------------------------
+
+
+def tpu_hosts(nodes: Iterable[Mapping]) -> list[dict]:
+    """The alive TPU hosts among ``ray.nodes()``, sorted by slice, worker id and IP."""
+    hosts = []
+    for node in nodes:
+        if not node.get("Alive", node.get("alive", False)):
+            continue
+        labels = node.get("Labels") or {}
+        resources = node.get("Resources") or {}
+        tpu = resources.get("TPU", 0) or 0
+        if tpu <= 0 and not any(k.startswith("ray.io/tpu-") for k in labels):
+            continue
+        raw_id = labels.get(WORKER_ID_LABEL)
+        hosts.append({
+            "node_id": node.get("NodeID"),
+            "ip": node.get("NodeManagerAddress"),
+            "slice": labels.get(SLICE_LABEL),
+            "worker_id": int(raw_id) if raw_id is not None and raw_id.isdecimal() else None,
+            "tpu_resources": _number(tpu),
+            "head_resources": sorted(r for r in resources if r.startswith("TPU-") and r.endswith("-head")),
+            "labels": {k: labels[k] for k in TPU_LABELS if k in labels},
+        })
+    hosts.sort(key=lambda h: (h["slice"] or "", h["worker_id"] if h["worker_id"] is not None else 1 << 30,
+                              h["ip"] or ""))
+    return hosts
+
+
+def diagnose(nodes: Iterable[Mapping], probes: Optional[Mapping[str, Mapping]] = None) -> dict:
+    """The doctor's report for ``ray.nodes()`` and the probes' answers by node id.
+
+    A probe answer is `probe_host`'s dict, or ``{"error": str, "timed_out": bool}``.
+    Hosts without an answer get no host checks. Returns ``{"healthy", "num_nodes",
+    "slices", "hosts", "problems"}``; every problem has ``check`` and ``message``.
+    """
+    nodes = list(nodes)
+    probes = probes or {}
+    hosts = tpu_hosts(nodes)
+    problems: list[dict] = []
+    if not hosts:
+        problems.append(_problem("no_tpu_hosts", "no alive Ray node has a TPU resource or a ray.io/tpu-* label"))
+    for host in hosts:
+        probe = probes.get(host["node_id"])
+        host["probe"] = dict(probe) if probe is not None else None
+        host["chips"] = _chips(host)
+        problems += check_host(host)
+    slices = []
+    by_slice: dict[str, list[dict]] = collections.defaultdict(list)
+    for host in hosts:
+        if host["slice"] is not None:
+            by_slice[host["slice"]].append(host)
+    for name in sorted(by_slice):
+        summary, found = check_slice(name, by_slice[name])
+        slices.append(summary)
+        problems += found
+    problems += check_versions(hosts)
+    alive = sum(1 for n in nodes if n.get("Alive", n.get("alive", False)))
+    return {"healthy": not problems, "num_nodes": alive, "slices": slices, "hosts": hosts, "problems": problems}
+
+
+def _problem(check: str, message: str, *, slice_name: Optional[str] = None, host: Optional[Mapping] = None) -> dict:
+    out = {"check": check, "slice": slice_name, "ip": None, "node_id": None, "message": message}
+    if host is not None:
+        out.update(ip=host["ip"], node_id=host["node_id"], slice=slice_name or host["slice"])
+    return out
+
+
+def _number(x: float):
+    return int(x) if float(x).is_integer() else x
+
+
+def _generation(host: Mapping) -> Optional[Generation]:
+    try:
+        return get_generation(host["labels"].get(ACCELERATOR_LABEL, ""))
+    except ValueError:
+        return None
+
+
+def _probe_ok(host: Mapping) -> Optional[Mapping]:
+    probe = host.get("probe")
+    return probe if probe is not None and "error" not in probe else None
+
+
+def _resource_per_chip(host: Mapping) -> int:
+    """Ray's TPU resources per chip on this host: as the host says, else as it should be."""
+    probe = _probe_ok(host)
+    if probe is not None:
+        value = probe["env"].get(C.RAY_TPU_RESOURCE_PER_CHIP)
+        return int(value) if value and value.isdecimal() and int(value) > 0 else 1
+    gen = _generation(host)
+    return gen.devices_per_chip if gen else 1
+
+
+def _chips(host: Mapping):
+    return _number(host["tpu_resources"] / _resource_per_chip(host))
+
+
+def _name(host: Mapping) -> str:
+    return f"host {host['ip']}" + (f" (worker {host['worker_id']})" if host["worker_id"] is not None else "")
+
+
+def check_host(host: Mapping) -> list[dict]:
+    """Problems of one TPU host: its labels, and what its probe found."""
+    out = []
+    missing = [k for k in TPU_LABELS if k not in host["labels"]]
+    if missing:
+        out.append(_problem("missing_label", f"{_name(host)} has TPU resources but no {', '.join(missing)} "
+                            "label; Ray derives them from TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE and "
+                            "TPU_TOPOLOGY (or the GCE metadata server)", host=host))
+    raw_id = host["labels"].get(WORKER_ID_LABEL)
+    if raw_id is not None and host["worker_id"] is None:
+        out.append(_problem("bad_worker_id", f"{_name(host)} has {WORKER_ID_LABEL}={raw_id!r}; "
+                            "expected an integer 0..hosts-1", host=host))
+    probe = host.get("probe")
+    if probe is None:
+        return out
+    if "error" in probe:
+        check = "host_check_timeout" if probe.get("timed_out") else "host_check_failed"
+        return out + [_problem(check, f"{_name(host)}: the check {probe['error']}", host=host)]
+    for name, found in probe["packages"].items():
+        if not found["found"]:
+            out.append(_problem(f"{name}_missing", f"{_name(host)}: the Python that Ray runs cannot find "
+                                f"{name}; install it on every TPU host", host=host))
+    holder = probe.get("lockfile_holder")
+    if holder is not None:
+        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+        who += f" ({holder['name']})" if holder.get("name") else ""
+        out.append(_problem("lockfile_held", f"{_name(host)}: libtpu's lockfile {probe['lockfile']} is held by "
+                            f"{who}, so torch_tpu cannot open the chips; stop that process", host=host))
+    out += _check_resource_per_chip(host, probe)
+    out += _check_env_labels(host, probe)
+    return out
+
+
+def _check_resource_per_chip(host: Mapping, probe: Mapping) -> list[dict]:
+    gen = _generation(host)
+    if gen is None:
+        return []
+    value = probe["env"].get(C.RAY_TPU_RESOURCE_PER_CHIP)
+    if (value or "1") == str(gen.devices_per_chip):
+        return []
+    want = f"{C.RAY_TPU_RESOURCE_PER_CHIP}={gen.devices_per_chip}" if gen.devices_per_chip > 1 else \
+        f"{C.RAY_TPU_RESOURCE_PER_CHIP} unset (or 1)"
+    return [_problem("resource_per_chip", f"{_name(host)}: {C.RAY_TPU_RESOURCE_PER_CHIP}="
+                     f"{value if value is not None else '(unset)'}, but a {gen.accelerator_type} chip is "
+                     f"{gen.devices_per_chip} TorchTPU device(s), one Ray Train worker each; start Ray with "
+                     f"{want}", host=host)]
+
+
+def _check_env_labels(host: Mapping, probe: Mapping) -> list[dict]:
+    env, labels = probe["env"], host["labels"]
+    pairs = [(C.TPU_NAME, SLICE_LABEL, env.get(C.TPU_NAME)),
+             (C.TPU_WORKER_ID, WORKER_ID_LABEL, env.get(C.TPU_WORKER_ID)),
+             (C.TPU_TOPOLOGY, TOPOLOGY_LABEL, (env.get(C.TPU_TOPOLOGY) or "").strip().lower() or None),
+             # Ray's pod type is TPU_ACCELERATOR_TYPE without a "tpu-" prefix, lower case.
+             (C.TPU_ACCELERATOR_TYPE, POD_TYPE_LABEL,
+              re.sub(r"^tpu-?v?", "v", (env.get(C.TPU_ACCELERATOR_TYPE) or "").strip().lower()) or None)]
+    diffs = [f"{var}={env.get(var)!r} but {label}={labels[label]!r}"
+             for var, label, value in pairs if value is not None and label in labels and labels[label] != value]
+    if not diffs:
+        return []
+    return [_problem("env_label_mismatch", f"{_name(host)}: {'; '.join(diffs)}; a label set by hand "
+                     "overrides what Ray derives from the host, fix one or the other", host=host)]
+
+
+def check_slice(name: str, hosts: list[dict]) -> tuple[dict, list[dict]]:
+    """A slice's summary and problems: labels that agree, a valid topology, all of its hosts."""
+    out = []
+    agreed = {}
+    for label in (ACCELERATOR_LABEL, TOPOLOGY_LABEL, POD_TYPE_LABEL):
+        values = collections.Counter(h["labels"][label] for h in hosts if label in h["labels"])
+        agreed[label] = values.most_common(1)[0][0] if values else None
+        if len(values) > 1:
+            detail = ", ".join(f"{h['ip']}: {h['labels'].get(label)}" for h in hosts)
+            out.append(_problem("inconsistent_labels", f"slice {name}: hosts disagree on {label} ({detail})",
+                                slice_name=name))
+    accel, topo_label, pod_type = agreed[ACCELERATOR_LABEL], agreed[TOPOLOGY_LABEL], agreed[POD_TYPE_LABEL]
+    topology = None
+    if accel and topo_label:
+        try:
+            topology = Topology.parse(topo_label, accel)
+        except ValueError as e:
+            out.append(_problem("bad_topology", f"slice {name}: {TOPOLOGY_LABEL}: {e}", slice_name=name))
+    ids = sorted(h["worker_id"] for h in hosts if h["worker_id"] is not None)
+    summary = {"name": name, "accelerator_type": accel, "topology": topo_label, "pod_type": pod_type,
+               "num_hosts": len(hosts), "num_hosts_expected": topology.num_hosts if topology else None,
+               "worker_ids": ids, "hosts": [h["ip"] for h in hosts]}
+    if topology is not None and pod_type and pod_type != topology.pod_type:
+        out.append(_problem("pod_type_mismatch", f"slice {name}: {POD_TYPE_LABEL}={pod_type}, but {accel} "
+                            f"{topology.name} is {topology.pod_type}", slice_name=name))
+    out += _check_worker_ids(name, hosts, topology)
+    head = f"TPU-{topology.pod_type if topology else pod_type}-head"
+    out += _check_head(name, hosts, head) if (topology or pod_type) else []
+    out += _check_chips(name, hosts, topology)
+    return summary, out
+
+
+def _check_worker_ids(name: str, hosts: list[dict], topology: Optional[Topology]) -> list[dict]:
+    out = []
+    counts = collections.Counter(h["worker_id"] for h in hosts if h["worker_id"] is not None)
+    for wid, n in sorted(counts.items()):
+        if n > 1:
+            ips = ", ".join(h["ip"] for h in hosts if h["worker_id"] == wid)
+            out.append(_problem("duplicate_worker_id", f"slice {name}: {n} hosts say they are TPU worker {wid} "
+                                f"({ips}); each host of a slice needs its own TPU_WORKER_ID", slice_name=name))
+    if topology is None:
+        return out
+    expected = range(topology.num_hosts)
+    for host in hosts:
+        if host["worker_id"] is not None and host["worker_id"] not in expected:
+            out.append(_problem("unexpected_worker_id", f"slice {name}: {_name(host)} is outside the "
+                                f"{topology.num_hosts} host(s) of {topology.pod_type} (worker ids 0.."
+                                f"{topology.num_hosts - 1})", host=host))
+    missing = [w for w in expected if w not in counts]
+    if missing:
+        out.append(_problem("missing_host", f"slice {name}: {topology.accelerator_type} {topology.name} "
+                            f"({topology.pod_type}) has {topology.num_hosts} host(s), but TPU worker id(s) "
+                            f"{', '.join(map(str, missing))} are not in the cluster; a slice is usable only whole",
+                            slice_name=name))
+    return out
+
+
+def _check_head(name: str, hosts: list[dict], head: str) -> list[dict]:
+    out = []
+    zeros = [h for h in hosts if h["worker_id"] == 0]
+    if zeros and not any(head in h["head_resources"] for h in zeros):
+        have = sorted({r for h in zeros for r in h["head_resources"]})
+        out.append(_problem("missing_head_resource", f"slice {name}: worker 0 ({', '.join(h['ip'] for h in zeros)})"
+                            f" has no {head} resource" + (f" (has {', '.join(have)})" if have else "") +
+                            "; Ray reserves a slice through it, and adds it on the host whose TPU_WORKER_ID is 0",
+                            slice_name=name))
+    for host in hosts:
+        if host["worker_id"] != 0 and host["head_resources"]:
+            out.append(_problem("misplaced_head_resource", f"slice {name}: {_name(host)} has "
+                                f"{', '.join(host['head_resources'])}; only worker 0 should", host=host))
+    return out
+
+
+def _check_chips(name: str, hosts: list[dict], topology: Optional[Topology]) -> list[dict]:
+    out = []
+    counts = collections.Counter(h["chips"] for h in hosts)
+    if len(counts) > 1:
+        detail = ", ".join(f"{h['ip']}: {h['chips']}" for h in hosts)
+        out.append(_problem("chip_count_mismatch", f"slice {name}: hosts have different chip counts ({detail})",
+                            slice_name=name))
+    if topology is None:
+        return out
+    for host in hosts:
+        if host["chips"] != topology.chips_per_host:
+            out.append(_problem("topology_chips_mismatch", f"slice {name}: {TOPOLOGY_LABEL}={topology.name} is "
+                                f"{topology.num_hosts} host(s) x {topology.chips_per_host} chips, but "
+                                f"{_name(host)} has {host['chips']} chip(s) ({host['tpu_resources']} TPU "
+                                f"resources / {_resource_per_chip(host)} per chip)", host=host))
+    return out
+
+
+def check_versions(hosts: list[dict]) -> list[dict]:
+    """All TPU hosts should run the same torch_tpu and libtpu."""
+    out = []
+    for name in _PACKAGES:
+        versions = collections.defaultdict(list)
+        for host in hosts:
+            probe = _probe_ok(host)
+            found = probe["packages"].get(name) if probe else None
+            if found and found.get("version"):
+                versions[found["version"]].append(host["ip"])
+        if len(versions) > 1:
+            detail = "; ".join(f"{v} on {', '.join(ips)}" for v, ips in sorted(versions.items()))
+            out.append(_problem("version_mismatch", f"TPU hosts run different {name} versions: {detail}"))
+    return out
+
+
+# --- Talking to the cluster -----------------------------------------------------------------------
+
+_ADDRESS = re.compile(r"(?P<scheme>ray://)?(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
+
+
+def resolve_address(address: Optional[str]) -> str:
+    """``--address``, else ``$RAY_ADDRESS``, else ``"auto"``; checked for form."""
+    value = address if address is not None else (_environ.get(RAY_ADDRESS) or "auto")
+    value = value.strip()
+    m = _ADDRESS.fullmatch(value)
+    if value != "auto" and not (m and 0 < int(m["port"]) < 65536):
+        source = "--address" if address is not None else f"${RAY_ADDRESS}"
+        raise ValueError(f"{source} {value!r} is not a Ray cluster address; expected host:port (the GCS, "
+                         "e.g. 10.0.0.2:6379), ray://host:port, or auto")
+    return value
+
+
+def connect(address: str) -> None:
+    """``ray.init`` a driver, failing fast (ValueError) when nothing listens at `address`."""
+    import socket
+
+    import ray
+
+    m = _ADDRESS.fullmatch(address)
+    if m:  # Ray itself retries a dead address for minutes
+        try:
+            socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=_CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise ValueError(f"cannot connect to Ray at {address}: {e.strerror or e}; is the cluster up?") from None
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except Exception as e:  # ConnectionError, RuntimeError, ...: one line for the CLI
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot connect to Ray at {address}: {first}") from None
+
+
+def probe_hosts(hosts: list[dict], timeout_s: float) -> dict[str, dict]:
+    """Run `probe_host` on every host at once, each pinned to its node; answers by node id.
+    A host that does not answer within `timeout_s` gets ``{"error", "timed_out": True}``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(probe_host)
+    refs = {
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(h["node_id"], soft=False),
+            name=f"ray_train_tpu.doctor {h['ip']}",
+        ).remote(): h["node_id"]
+        for h in hosts
+    }
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    answers = {}
+    for ref in ready:
+        try:
+            answers[refs[ref]] = ray.get(ref)
+        except Exception as e:  # the task raised, or its worker died
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            answers[refs[ref]] = {"error": f"failed: {lines[-1].strip() if lines else type(e).__name__}",
+                                  "timed_out": False}
+    for ref in pending:
+        answers[refs[ref]] = {"error": f"did not answer within {timeout_s:g} s", "timed_out": True}
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # best effort; ray.shutdown follows
+            pass
+    return answers
+
+
+def run_doctor(address: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Connect (unless this process already is), check every TPU host, return `diagnose`'s report."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout {timeout_s!r} must be a positive number of seconds")
+    owns = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    if owns:
+        address = resolve_address(address)  # before importing Ray: bad input fails fast
+        connect(address)
+    import ray
+
+    try:
+        nodes = ray.nodes()
+        report = diagnose(nodes, probe_hosts(tpu_hosts(nodes), timeout_s))
+    finally:
+        if owns:
+            ray.shutdown()
+    return {"address": address, **report}
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def format_report_table(report: Mapping) -> str:
+    """The report for people: slices, hosts, then problems."""
+    hosts, slices, problems = report["hosts"], report["slices"], report["problems"]
+    lines = [f"Ray cluster {report.get('address') or ''}: {report['num_nodes']} node(s), "
+             f"{len(hosts)} TPU host(s) in {len(slices)} slice(s)", ""]
+    if slices:
+        lines += _table(["slice", "accelerator", "topology", "pod type", "hosts", "worker ids"], [
+            [s["name"], s["accelerator_type"], s["topology"], s["pod_type"],
+             f"{s['num_hosts']}/{s['num_hosts_expected'] if s['num_hosts_expected'] is not None else '?'}",
+             ",".join(map(str, s["worker_ids"]))] for s in slices]) + [""]
+    if hosts:
+        lines += _table(["host", "slice", "worker", "chips", "TPU", "head", "pod type", "topology",
+                         "torch_tpu", "libtpu", "lockfile"], [_host_row(h) for h in hosts]) + [""]
+    if problems:
+        lines.append(f"{len(problems)} problem(s):")
+        lines += [f"  {p['check']}: {p['message']}" for p in problems]
+    else:
+        lines.append("healthy: no problems found")
+    return "\n".join(lines) + "\n"
+
+
+def _host_row(host: Mapping) -> list:
+    labels, probe = host["labels"], host.get("probe")
+    row = [host["ip"], host["slice"], labels.get(WORKER_ID_LABEL), host["chips"], host["tpu_resources"],
+           "yes" if host["head_resources"] else "-", labels.get(POD_TYPE_LABEL), labels.get(TOPOLOGY_LABEL)]
+    if probe is None or "error" in probe:
+        status = "timeout" if probe and probe.get("timed_out") else ("failed" if probe else "not checked")
+        return row + [status, status, status]
+    for name in _PACKAGES:
+        found = probe["packages"][name]
+        row.append((found["version"] or "found") if found["found"] else "MISSING")
+    holder = probe.get("lockfile_holder")
+    row.append("free" if holder is None else f"HELD by {holder.get('pid') or '?'}")
+    return row
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    cells = [[str(c) if c is not None else "-" for c in row] for row in [header] + rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def _doctor(args: argparse.Namespace, out: TextIO) -> int:
+    report = run_doctor(args.address, args.timeout)
+    if args.format == "json":
+        json.dump(report, out, indent=1)
+        out.write("\n")
+    else:
+        out.write(format_report_table(report))
+    return 0 if report["healthy"] else 1
+
+
+def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``doctor`` to ``python -m ray_train_tpu``."""
+    p = subparsers.add_parser("doctor", help="check a running Ray cluster's TPU slices and hosts; "
+                              "exit 0 healthy, 1 problems, 2 cannot connect")
+    p.add_argument("--address", help=f"Ray cluster: host:port of the GCS, ray://host:port, or auto "
+                   f"(default ${RAY_ADDRESS}, else auto)")
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds to wait for the hosts' checks (default {DEFAULT_TIMEOUT_S:g})")
+    p.set_defaults(func=_doctor)
