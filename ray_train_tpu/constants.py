@@ -62,3 +62,18 @@ RAY_TRAIN_TPU_SIMULATE_STALL_S = "RAY_TRAIN_TPU_SIMULATE_STALL_S"
 
 # libtpu's lock on the chips of a host; held by the process that owns them.
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+
+# Ray node labels of a TPU host (Ray derives them from the TPU_* variables).
+LABEL_TPU_SLICE_NAME = "ray.io/tpu-slice-name"
+LABEL_TPU_WORKER_ID = "ray.io/tpu-worker-id"
+LABEL_TPU_POD_TYPE = "ray.io/tpu-pod-type"
+LABEL_TPU_TOPOLOGY = "ray.io/tpu-topology"
+LABEL_ACCELERATOR_TYPE = "ray.io/accelerator-type"
+
+# Ray's cluster address for `doctor`.
+RAY_ADDRESS = "RAY_ADDRESS"
+
+# Testing knobs read only on simulated hosts (RAY_TRAIN_TPU_SIMULATE=1): a
+# per-host libtpu lockfile path, and modules to report as missing.
+RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"
+RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES"

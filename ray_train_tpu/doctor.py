@@ -57,22 +57,22 @@ from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Generation, Topology, get_generation
 
 # Node labels Ray sets on TPU hosts (ray._raylet.RAY_NODE_TPU_*_KEY).
-SLICE_LABEL = "ray.io/tpu-slice-name"
-WORKER_ID_LABEL = "ray.io/tpu-worker-id"
-POD_TYPE_LABEL = "ray.io/tpu-pod-type"
-TOPOLOGY_LABEL = "ray.io/tpu-topology"
-ACCELERATOR_LABEL = "ray.io/accelerator-type"
+SLICE_LABEL = C.LABEL_TPU_SLICE_NAME
+WORKER_ID_LABEL = C.LABEL_TPU_WORKER_ID
+POD_TYPE_LABEL = C.LABEL_TPU_POD_TYPE
+TOPOLOGY_LABEL = C.LABEL_TPU_TOPOLOGY
+ACCELERATOR_LABEL = C.LABEL_ACCELERATOR_TYPE
 TPU_LABELS = (SLICE_LABEL, WORKER_ID_LABEL, POD_TYPE_LABEL, TOPOLOGY_LABEL, ACCELERATOR_LABEL)
 
 # Where Ray looks for a cluster when no address is given.
-RAY_ADDRESS = "RAY_ADDRESS"
+RAY_ADDRESS = C.RAY_ADDRESS
 
 # Testing knobs, honoured on simulated hosts only (RAY_TRAIN_TPU_SIMULATE=1),
 # whose hosts share one /tmp and one Python environment:
 # a path that stands in for /tmp/libtpu_lockfile on this host, and
 # comma-separated packages (torch_tpu, libtpu) the check treats as absent.
-SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"
-SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES"
+SIMULATE_LIBTPU_LOCKFILE = C.RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE
+SIMULATE_MISSING_MODULES = C.RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES
 
 DEFAULT_TIMEOUT_S = 30.0
 _CONNECT_TIMEOUT_S = 5.0

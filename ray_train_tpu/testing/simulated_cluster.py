@@ -149,11 +149,11 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     if worker_id == 0:
         node_resources[f"TPU-{topology.pod_type}-head"] = 1
     node_labels = {
-        "ray.io/tpu-slice-name": name,
-        "ray.io/tpu-worker-id": str(worker_id),
-        "ray.io/tpu-pod-type": topology.pod_type,
-        "ray.io/tpu-topology": topology.name,
-        "ray.io/accelerator-type": topology.accelerator_type,
+        C.LABEL_TPU_SLICE_NAME: name,
+        C.LABEL_TPU_WORKER_ID: str(worker_id),
+        C.LABEL_TPU_POD_TYPE: topology.pod_type,
+        C.LABEL_TPU_TOPOLOGY: topology.name,
+        C.LABEL_ACCELERATOR_TYPE: topology.accelerator_type,
     }
     # Ray resolves a node's TPU labels in this process from these variables, so
     # they are set here while the node is added, and in the raylet's env.
