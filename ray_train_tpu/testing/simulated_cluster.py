@@ -274,7 +274,10 @@ def simulated_tpu_cluster(
             ray.init(
                 address=cluster.address,
                 _node_ip_address=HEAD_IP,
-                runtime_env={"env_vars": dict(driver_env)},
+                # RAY_ADDRESS: Ray Train's own helpers (PlacementGroupCleaner)
+                # call ray.init() without an address and would otherwise join
+                # whichever cluster on this machine started last.
+                runtime_env={"env_vars": {**driver_env, C.RAY_ADDRESS: cluster.address}},
                 logging_level=logging.WARNING,
                 log_to_driver=True,
             )

@@ -1,0 +1,174 @@
+"""stateful_dataloader: rank shards, and a saved position resumes exactly."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_train_tpu.data import ShardedStatefulDataLoader, stateful_dataloader
+
+N = 40
+
+
+def _loader(**kw):
+    args = dict(batch_size=3, rank=1, world_size=2, seed=5)
+    args.update(kw)
+    return stateful_dataloader(list(range(N)), **args)
+
+
+def _epochs(loader, epochs, start=0):
+    """Every batch of epochs start..epochs-1, as lists, in order."""
+    out = []
+    for epoch in range(start, epochs):
+        loader.set_epoch(epoch)
+        out += [b.tolist() for b in loader]
+    return out
+
+
+def _resume_after(k: int, epochs: int = 3, **kw):
+    """Consume k batches (across epochs), save, rebuild, load; return (seen, rest, full)."""
+    full = _epochs(_loader(**kw), epochs)
+    loader, seen, state = _loader(**kw), [], None
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            if len(seen) == k:
+                break
+            seen.append(batch.tolist())
+            if len(seen) == k:
+                state = loader.state_dict()
+        if state is not None:
+            break
+    again = _loader(**kw)
+    again.load_state_dict(state)
+    return seen, _epochs(again, epochs, start=again.epoch), full
+
+
+def test_ranks_read_disjoint_shards_covering_the_data():
+    shards = [[i for b in _epochs(_loader(rank=r, world_size=4, batch_size=2), 1) for i in b] for r in range(4)]
+    flat = sorted(i for s in shards for i in s)
+    assert flat == list(range(N)) and all(len(s) == 10 for s in shards)
+
+
+def test_epochs_reshuffle_with_seed_and_are_reproducible():
+    a, b = _epochs(_loader(), 2), _epochs(_loader(), 2)
+    assert a == b
+    per_epoch = len(a) // 2
+    assert a[:per_epoch] != a[per_epoch:]
+    assert _epochs(_loader(seed=6), 1) != a[:per_epoch]
+
+
+@pytest.mark.parametrize("k", [1, 2, 6, 7, 9])  # 6 batches per epoch: mid, last of epoch 0, into epoch 1
+def test_resumed_loader_yields_exactly_the_unseen_batches(k):
+    seen, rest, full = _resume_after(k)
+    assert seen + rest == full
+    assert seen == full[:k]
+
+
+def test_state_saved_after_an_epoch_ended_resumes_at_the_next_epoch():
+    loader = _loader()
+    first = _epochs(loader, 1)
+    state = loader.state_dict()  # after the for loop ran to its end
+    assert state["epoch"] == 1
+    again = _loader()
+    again.load_state_dict(state)
+    assert first + _epochs(again, 3, start=again.epoch) == _epochs(_loader(), 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(0, 14), world=st.integers(1, 4), batch=st.integers(1, 5), drop_last=st.booleans())
+def test_resume_is_exact_for_any_position_and_sharding(k, world, batch, drop_last):
+    kw = dict(world_size=world, rank=world - 1, batch_size=batch, drop_last=drop_last)
+    k = min(k, len(_epochs(_loader(**kw), 2)))
+    if k == 0:
+        loader = _loader(**kw)
+        state = loader.state_dict()
+        again = _loader(**kw)
+        again.load_state_dict(state)
+        assert _epochs(again, 2, start=again.epoch) == _epochs(_loader(**kw), 2)
+        return
+    seen, rest, full = _resume_after(k, epochs=2, **kw)
+    assert seen + rest == full
+
+
+def test_resume_with_worker_processes():
+    seen, rest, full = _resume_after(4, epochs=2, num_workers=1)
+    assert seen + rest == full
+
+
+def test_loading_a_state_of_another_sharding_names_the_field():
+    state = _loader().state_dict()
+    with pytest.raises(ValueError, match=r"saved with world_size=2, this loader has world_size=4"):
+        _loader(world_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with seed=5, this loader has seed=6"):
+        _loader(seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"without 'epoch'"):
+        _loader().load_state_dict({"loader": {}})
+
+
+def test_set_epoch_to_another_epoch_discards_the_restored_position(caplog):
+    loader = _loader()
+    loader.set_epoch(0)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    again = _loader()
+    again.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="ray_train_tpu.data"):
+        again.set_epoch(1)
+    assert "discards the position restored in epoch 0" in caplog.text
+    again_epoch1 = [b.tolist() for b in again]
+    assert again_epoch1 == _epochs(_loader(), 2)[6:]
+
+
+def test_rank_and_world_default_to_one_process_without_distributed():
+    loader = stateful_dataloader(list(range(8)), batch_size=2)
+    assert isinstance(loader, ShardedStatefulDataLoader)
+    assert sorted(i for b in _epochs(loader, 1) for i in b) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(batch_size=0), r"batch_size=0\) must be an integer >= 1"),
+        (dict(rank=1, world_size=None), "both rank and world_size"),
+        (dict(rank=2, world_size=2), r"rank must be an integer in 0..world_size-1"),
+        (dict(sampler=[0]), "do not pass sampler"),
+    ],
+)
+def test_bad_arguments_name_the_field(kw, match):
+    args = dict(batch_size=2, rank=0, world_size=1)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        stateful_dataloader(list(range(8)), **args)
+
+
+def test_batches_are_tensors_of_the_dataset():
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(8, 1))
+    loader = stateful_dataloader(data, batch_size=4, shuffle=False, rank=0, world_size=1)
+    (batch,) = next(iter(loader))
+    assert batch.shape == (4, 1)
+
+
+def test_iterating_never_draws_from_the_global_rng():
+    loader = _loader()
+    before = torch.get_rng_state()
+    _epochs(loader, 2)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_resumed_iterator_draws_the_same_base_seed():
+    """Worker processes are seeded from the iterator's base seed."""
+    loader = _loader()
+    _epochs(loader, 1)
+    loader.set_epoch(1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    expected = it._base_seed
+    again = _loader()
+    again.load_state_dict(state)
+    again.set_epoch(again.epoch)
+    assert iter(again)._base_seed == expected
