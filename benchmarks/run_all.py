@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["plan_scaling.py"]
+# Each simulated-cluster benchmark starts and stops its own cluster; run one at a time.
+SCRIPTS = ["plan_scaling.py", "step_overhead.py", "startup.py", "strategy_memory.py"]
 
 
 def main() -> int:

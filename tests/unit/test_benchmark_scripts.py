@@ -1,0 +1,171 @@
+"""The issue-7 benchmarks parse their arguments, summarise and write what they promise.
+
+No Ray cluster: summaries are fed synthetic runs, and the one end-to-end run is
+step_overhead's torchrun launcher on a one-process "slice" (TPU-V6E 1x1).
+"""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import run_all, startup, step_overhead, strategy_memory
+
+
+def test_run_all_runs_the_new_scripts():
+    assert {"step_overhead.py", "startup.py", "strategy_memory.py"} <= set(run_all.SCRIPTS)
+    for script in run_all.SCRIPTS:
+        assert (run_all.HERE / script).is_file()
+
+
+# --- step_overhead ---------------------------------------------------------------
+
+def test_step_overhead_defaults_are_the_small_simulated_slice():
+    args = step_overhead.parse_args([])
+    assert args.device == "cpu" and args.launchers == list(step_overhead.LAUNCHERS)
+    assert step_overhead._num_workers(args) == 4  # v4 2x2x1
+    assert args.ray_worker_niceness == 0
+
+
+@pytest.mark.parametrize("argv", [["--launchers", "ours,mpirun"], ["--launchers", ","], ["--steps", "0"],
+                                  ["--device", "rocm"], ["--peak-tflops", "-1"], ["--warmup-steps", "-1"]])
+def test_step_overhead_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        step_overhead.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_step_overhead_on_tpu_runs_ours_alone():
+    assert step_overhead.parse_args(["--device", "tpu"]).launchers == ["ours"]
+
+
+def _run(launcher, rate, repeat):
+    return {"launcher": launcher, "steps_per_s": rate, "repeat": repeat, "tokens_per_s": rate * 100, "mfu": None,
+            "cpu_ms_per_step": 100.0 / rate}
+
+
+def test_step_overhead_summary_takes_medians_and_checks_targets():
+    runs = [_run("ours", 9.9, 0), _run("torch_trainer", 10.0, 0), _run("torchrun", 10.6, 0),
+            _run("ours", 10.0, 1), _run("torch_trainer", 9.0, 1), _run("torchrun", 10.5, 1),
+            _run("ours", 50.0, 2), _run("torch_trainer", 9.5, 2), _run("torchrun", 10.0, 2)]
+    s = step_overhead.summarize(runs)
+    assert s["launchers"]["ours"]["median_steps_per_s"] == 10.0  # the outlier does not move a median
+    assert s["ratios"]["ours_over_torchrun"] == pytest.approx(10.0 / 10.5)
+    assert s["ratios"]["ours_over_torch_trainer"] == pytest.approx(10.0 / 9.5)
+    assert s["targets"]["ours_over_torchrun"]["met"] is False  # 0.952 < 0.98
+    assert s["targets"]["ours_over_torch_trainer"]["met"] is True
+    assert s["cpu_per_step_ratios"]["ours_over_torchrun"] == pytest.approx(10.5 / 10.0)  # lower is better
+
+
+def test_step_overhead_summary_without_ours_has_no_ratios():
+    s = step_overhead.summarize([_run("torchrun", 3.0, 0)])
+    assert s["ratios"] == {} and s["targets"] == {}
+
+
+def test_step_overhead_torchrun_writes_its_json(tmp_path, monkeypatch):
+    import benchmarks._common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    step_overhead.main(["--launchers", "torchrun", "--topology", "1x1", "--accelerator-type", "TPU-V6E",
+                        "--repeats", "1", "--warmup-steps", "1", "--steps", "2", "--dim", "8", "--hidden", "16",
+                        "--layers", "1", "--batch-size", "2", "--seq-len", "4"])
+    data = json.loads((tmp_path / "step_overhead.json").read_text())
+    (run,) = data["runs"]
+    assert run["launcher"] == "torchrun" and run["world_size"] == 1 and run["torch_threads"] == 1
+    assert run["steps_per_s"] > 0 and run["cpu_ms_per_step"] > 0 and run["params"] == 8 * 16 + 16 + 16 * 8 + 8
+    assert data["environment"]["simulated"] is False  # torchrun alone simulates no slice
+    assert {"versions", "commit", "cpu_count"} <= set(data["environment"])
+    assert data["settings"]["num_workers"] == 1 and data["ratios"] == {}
+    assert (tmp_path / "step_overhead.png").exists()
+
+
+# --- startup -----------------------------------------------------------------------
+
+def test_startup_sizes():
+    assert startup.parse_args([]).sizes == [4, 8]
+    assert startup.parse_args(["--with-16"]).sizes == [4, 8, 16]
+    with pytest.raises(SystemExit):
+        startup.parse_args(["--sizes", "4,32"])
+    with pytest.raises(SystemExit):
+        startup.parse_args(["--sizes", "four"])
+
+
+def _fit(trainer, size, total, on_start):
+    phases = dict(fit_to_on_start_s=total - on_start - 1.5, on_start_s=on_start, on_start_to_loop_s=0.5,
+                  loop_to_first_step_s=1.0)
+    return {"trainer": trainer, "num_workers": size, "fit_to_first_step_s": total, "fit_to_worker_process_s": 3.0,
+            "fit_s": total + 2, **phases}
+
+
+def test_startup_summary_ratio_and_target():
+    runs = [_fit("ours", 4, 22.0, 0.3), _fit("torch_trainer", 4, 20.0, 0.2),
+            _fit("torch_trainer", 4, 20.0, 0.2), _fit("ours", 4, 22.0, 0.5),
+            _fit("ours", 8, 30.0, 0.4), _fit("torch_trainer", 8, 25.0, 0.2)]
+    rows = {r["num_workers"]: r for r in startup.summarize(runs)}
+    assert rows[4]["ratio_fit_to_first_step"] == pytest.approx(1.1) and rows[4]["met"] is True
+    assert rows[4]["ours_on_start_s"] == pytest.approx(0.4)  # median of 0.3 and 0.5
+    assert rows[8]["ratio_fit_to_first_step"] == pytest.approx(1.2) and rows[8]["met"] is False
+
+
+def test_startup_timed_configs_keep_their_backends():
+    ours = startup.TimedTPUTorchConfig(timing_file="/x")
+    theirs = startup.TimedTorchConfig(backend="gloo", timing_file="/y")
+    assert issubclass(ours.backend_cls, startup._TPUTorchBackend) and ours.timing_file == "/x"
+    assert issubclass(theirs.backend_cls, startup._TorchBackend) and theirs.backend == "gloo"
+
+
+# --- strategy_memory -------------------------------------------------------------
+
+def test_strategy_memory_arguments():
+    args = strategy_memory.parse_args([])
+    n = sum(p.numel() for p in strategy_memory.mlp(args.dim, args.hidden, args.blocks).parameters())
+    assert 10e6 <= n <= 20e6  # "big enough to matter"
+    assert args.strategies == list(strategy_memory.STRATEGIES)
+    for argv in (["--dim", "30"], ["--strategies", "zero3"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            strategy_memory.parse_args(argv)
+
+
+def test_tp_plan_names_the_linear_layers():
+    model = strategy_memory.mlp(8, 16, 3)
+    names = dict(model.named_modules())
+    plan = strategy_memory.tp_plan(3)
+    assert len(plan) == 6 and all(isinstance(names[k], torch.nn.Linear) for k in plan)
+
+
+def test_state_bytes_of_plain_adamw():
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    got = strategy_memory.state_bytes(model, opt)
+    assert got["param_bytes"] == got["grad_bytes"] == 15 * 4
+    # exp_avg and exp_avg_sq per parameter, plus a scalar step tensor per parameter
+    assert got["optimizer_bytes"] == 2 * 15 * 4 + 2 * opt.state[model.weight]["step"].element_size()
+
+
+def test_local_bytes_counts_a_dtensor_shard():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.zeros(8, 16)
+        assert strategy_memory.local_bytes(distribute_tensor(full, mesh, [Shard(0)])) == 2 * 16 * 4
+        assert strategy_memory.local_bytes(distribute_tensor(full, mesh, [Replicate()])) == 8 * 16 * 4
+        assert strategy_memory.local_bytes(full) == 8 * 16 * 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_strategy_memory_summary_ratio():
+    rows = [{"strategy": "ddp", "max_state_bytes": 400}, {"strategy": "fsdp2", "max_state_bytes": 104},
+            {"strategy": "tp", "max_state_bytes": 120}]
+    s = strategy_memory.summarize(rows, num_params=25)
+    assert s["full_state_bytes"] == 25 * 16 and s["ddp_over_world_bytes"] == 100
+    assert s["fsdp2_target"]["measured"] == pytest.approx(1.04) and s["fsdp2_target"]["met"] is True
+    assert rows[2]["state_over_ddp_per_world"] == pytest.approx(1.2)
