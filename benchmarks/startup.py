@@ -215,8 +215,7 @@ def main(argv=None) -> dict:
     for module in (sys.modules[__name__], step_overhead):
         if module.__name__ != "__main__":
             ray.cloudpickle.register_pickle_by_value(module)  # Ray workers cannot import benchmarks/
-    if args.ray_worker_niceness >= 0:
-        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # before the raylets start
+    step_overhead.set_cluster_env(args.ray_worker_niceness)
     runs, started = [], time.perf_counter()
     for size in args.sizes:
         topology, accel = SLICES[size]

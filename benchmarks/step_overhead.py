@@ -10,9 +10,11 @@ processes and one torch thread each, launched three ways:
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node N``.
 
 Each run times ``--steps`` steps after ``--warmup-steps`` (rank 0, between two
-barriers); runs are interleaved to reduce drift, and rotated (A B C, B C A,
-C A B) so that no launcher always runs first; the median over ``--repeats`` is reported with the ratios
-ours/torchrun (target >= 0.98) and ours/torch_trainer (target >= 1.0).
+barriers) and counts the CPU seconds all ranks spent meanwhile. Runs are
+interleaved to reduce drift and rotated (A B C, B C A, C A B) so that no
+launcher always runs first. The medians over ``--repeats`` give the ratios
+ours/torchrun (target >= 0.98) and ours/torch_trainer (target >= 1.0) of
+steps/s, and the same ratios of CPU time per step (1.0 = no added work).
 
 Ray worker processes run at nice 15 by default (``RAY_worker_niceness``) while
 torchrun's inherit ours (0); on a shared machine that alone would decide the
@@ -61,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topology", default="2x2x1", help="slice for cpu (simulated) and tpu")
     p.add_argument("--accelerator-type", default="TPU-V4")
     p.add_argument("--num-workers", type=int, default=None, help="cuda only; default: every visible GPU")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma-separated subset of {LAUNCHERS}")
+    p.add_argument("--launchers", default=None,
+                   help=f"comma-separated subset of {LAUNCHERS}; default all (on tpu: ours)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--steps", type=int, default=300)
@@ -77,12 +80,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker_config:
         return args
-    launchers = [s.strip() for s in args.launchers.split(",") if s.strip()]
+    given = args.launchers
+    if given is None:
+        given = "ours" if args.device == "tpu" else ",".join(LAUNCHERS)
+    launchers = [s.strip() for s in given.split(",") if s.strip()]
     bad = [s for s in launchers if s not in LAUNCHERS]
     if bad or not launchers:
-        p.error(f"--launchers {args.launchers!r}: unknown {bad}; choose from {', '.join(LAUNCHERS)}")
+        p.error(f"--launchers {given!r}: unknown {bad}; choose from {', '.join(LAUNCHERS)}")
     if args.device == "tpu" and launchers != ["ours"]:
-        launchers = ["ours"]  # the baselines cannot run on a TPU slice (see the docstring)
+        print(f"step_overhead: --device tpu runs 'ours' only; ignoring --launchers {given!r} "
+              "(Ray's TorchTrainer cannot set up tpu_dist; torch_tpu's launcher is no baseline here)",
+              file=sys.stderr)
+        launchers = ["ours"]
     args.launchers = launchers
     for field in ("repeats", "steps", "batch_size", "seq_len", "dim", "hidden", "layers"):
         if getattr(args, field) < 1:
@@ -180,7 +189,7 @@ def train_loop(cfg: dict) -> dict:
     elapsed = time.perf_counter() - start
     # CPU seconds of every thread of every rank (gloo's and Ray's included): unlike
     # wall time, this hardly depends on what else the shared machine runs.
-    cpu = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64, device=device)
+    cpu = torch.tensor([time.process_time() - cpu_start], device=device)
     dist.all_reduce(cpu)
     window = meter.step(cfg["batch_size"] * cfg["steps"])  # one "step" = the whole timed window
     return {
@@ -276,11 +285,18 @@ def _num_workers(args) -> int:
     return Topology.parse(args.topology, args.accelerator_type).num_devices
 
 
+def set_cluster_env(ray_worker_niceness: int, **extra: str) -> None:
+    """Variables for every raylet and worker of the Ray cluster this process is
+    about to start (they inherit our environment): ``RAY_worker_niceness`` unless
+    negative (Ray's default, 15, is kept), and `extra`. Call before the cluster starts."""
+    if ray_worker_niceness >= 0:
+        extra = {"RAY_worker_niceness": str(ray_worker_niceness), **extra}
+    os.environ.update(extra)
+
+
 def _ray_cluster(args):
     """The cluster the Ray launchers use: a simulated slice on cpu, else the local/attached one."""
-    if args.ray_worker_niceness >= 0:
-        # Read by every raylet and worker we start; it must be set before they start.
-        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)
+    set_cluster_env(args.ray_worker_niceness)
     if args.device == "cpu":
         from ray_train_tpu.testing import simulated_tpu_cluster
 

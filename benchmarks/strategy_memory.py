@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field in ("dim", "hidden", "blocks", "steps", "batch_size"):
         if getattr(args, field) < 1:
             p.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    if args.malloc_mmap_threshold < 0:
+        p.error(f"--malloc-mmap-threshold must be >= 0 bytes, got {args.malloc_mmap_threshold}")
     if args.dim % 4 or args.hidden % 4:
         p.error(f"--dim {args.dim} and --hidden {args.hidden} must be multiples of 4 (the ranks that shard them)")
     chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -208,11 +210,8 @@ def main(argv=None) -> dict:
     for module in (sys.modules[__name__], step_overhead):
         if module.__name__ != "__main__":
             ray.cloudpickle.register_pickle_by_value(module)  # Ray workers cannot import benchmarks/
-    # Both are read by every raylet and worker we start, so they are set before the cluster starts.
-    if args.ray_worker_niceness >= 0:
-        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)
-    if args.malloc_mmap_threshold > 0:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold > 0 else {}
+    step_overhead.set_cluster_env(args.ray_worker_niceness, **malloc)
     num_params = sum(p.numel() for p in mlp(args.dim, args.hidden, args.blocks).parameters())
     started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory(prefix="rtt_memory_") as storage, simulated_tpu_cluster(TOPOLOGY, ACCEL):

@@ -36,8 +36,16 @@ def test_step_overhead_rejects_bad_arguments(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_step_overhead_on_tpu_runs_ours_alone():
+def test_step_overhead_on_tpu_runs_ours_alone(capsys):
     assert step_overhead.parse_args(["--device", "tpu"]).launchers == ["ours"]
+    assert capsys.readouterr().err == ""
+    assert step_overhead.parse_args(["--device", "tpu", "--launchers", "ours,torchrun"]).launchers == ["ours"]
+    assert "ignoring --launchers 'ours,torchrun'" in capsys.readouterr().err
+
+
+def test_launch_order_rotates():
+    order = [step_overhead.rotated(["a", "b", "c"], r) for r in range(4)]
+    assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
 
 
 def _run(launcher, rate, repeat):
