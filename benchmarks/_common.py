@@ -49,3 +49,13 @@ def write(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def ship_to_ray_workers(*modules) -> None:
+    """Ray workers cannot import benchmarks/: pickle these modules' functions by
+    value (a module run as __main__ is pickled by value already)."""
+    import ray.cloudpickle
+
+    for module in modules:
+        if module.__name__ != "__main__":
+            ray.cloudpickle.register_pickle_by_value(module)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
+from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 from benchmarks import step_overhead  # noqa: E402
 from ray.train.torch import TorchConfig  # noqa: E402
 from ray.train.torch.config import _TorchBackend  # noqa: E402
@@ -208,13 +208,9 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray.cloudpickle
-
     from ray_train_tpu.testing import simulated_tpu_cluster
 
-    for module in (sys.modules[__name__], step_overhead):
-        if module.__name__ != "__main__":
-            ray.cloudpickle.register_pickle_by_value(module)  # Ray workers cannot import benchmarks/
+    ship_to_ray_workers(sys.modules[__name__], step_overhead)
     step_overhead.set_cluster_env(args.ray_worker_niceness)
     runs, started = [], time.perf_counter()
     for size in args.sizes:

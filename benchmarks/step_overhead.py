@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
+from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 
 NAME = "step_overhead"
 LAUNCHERS = ("ours", "torch_trainer", "torchrun")
@@ -360,10 +360,7 @@ def main(argv=None) -> dict:
     if args.worker_config:
         _torchrun_child(args.worker_config)
         return {}
-    if __name__ != "__main__":
-        import ray.cloudpickle
-
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import benchmarks/
+    ship_to_ray_workers(sys.modules[__name__])
     cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "steps", "batch_size", "seq_len", "dim",
                                          "hidden", "layers", "peak_tflops")}
     n = _num_workers(args)

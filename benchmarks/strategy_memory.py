@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
+from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 from benchmarks import step_overhead  # noqa: E402
 
 NAME = "strategy_memory"
@@ -203,13 +203,9 @@ def summarize(rows: list[dict], num_params: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray.cloudpickle
-
     from ray_train_tpu.testing import simulated_tpu_cluster
 
-    for module in (sys.modules[__name__], step_overhead):
-        if module.__name__ != "__main__":
-            ray.cloudpickle.register_pickle_by_value(module)  # Ray workers cannot import benchmarks/
+    ship_to_ray_workers(sys.modules[__name__], step_overhead)
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold > 0 else {}
     step_overhead.set_cluster_env(args.ray_worker_niceness, **malloc)
     num_params = sum(p.numel() for p in mlp(args.dim, args.hidden, args.blocks).parameters())
