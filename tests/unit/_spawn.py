@@ -22,6 +22,7 @@ os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 import importlib  # noqa: E402
 import multiprocessing  # noqa: E402
 import socket  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -64,6 +65,14 @@ def _child(module: str, qualname: str, rank: int, world_size: int, port: int, ar
         with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise SystemExit(1)
+    # The verdict is on disk. Skip interpreter finalization: gloo's C++ worker
+    # threads can still hold finished work whose tensors are freed while the
+    # interpreter is torn down, and that aborts (SIGABRT, "terminate called
+    # without an active exception"; pytorch/pytorch#179291 describes it) at
+    # random, long after the test's assertions passed.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 class _PortTaken(RuntimeError):

@@ -1,6 +1,6 @@
 """ray_train_tpu.checkpoint: exact round trips, resharding, and refusing bad checkpoints.
 
-Multi-rank cases run as 2 gloo processes (torch.multiprocessing); a failed
+Multi-rank cases run as 2 gloo processes (tests/unit/_spawn.py); a failed
 assertion in either fails the test with that process's traceback.
 """
 
@@ -9,10 +9,10 @@ import logging
 import shutil
 from pathlib import Path
 
+import _spawn
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -81,16 +81,8 @@ def _assert_equal(a, b, where="state"):
         assert a == b, (where, a, b)
 
 
-def _spawn(fn, tmp_path, nprocs=2):
-    mp.spawn(fn, args=(nprocs, str(tmp_path)), nprocs=nprocs, join=True)
-
-
-def _init(rank, world, tmp):
-    from datetime import timedelta
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+def _on_two_ranks(fn, tmp_path):
+    _spawn.run(fn, 2, str(tmp_path), timeout_s=180)
 
 
 def _ddp(seed=0):
@@ -102,7 +94,6 @@ def _ddp(seed=0):
 
 
 def _roundtrip_worker(rank, world, tmp):
-    _init(rank, world, tmp)
     tmp = Path(tmp)
     model = _ddp()
     opt, sched, loader = _parts(model)
@@ -137,7 +128,6 @@ def _roundtrip_worker(rank, world, tmp):
     except CheckpointError as e:
         assert "'0.weight' is [8, 6] torch.float32 in the checkpoint and [9, 6] torch.float32 in the model" in str(e)
     _report_and_restore(rank, tmp, model, opt, sched, loader)
-    dist.destroy_process_group()
 
 
 def _report_and_restore(rank, tmp, model, opt, sched, loader):
@@ -170,7 +160,7 @@ def _report_and_restore(rank, tmp, model, opt, sched, loader):
 
 
 def test_ddp_save_load_resumes_bitwise_sync_async_and_through_report(tmp_path):
-    _spawn(_roundtrip_worker, tmp_path)
+    _on_two_ranks(_roundtrip_worker, tmp_path)
 
 
 # ---------------------------------------------------------------- resharding
@@ -179,7 +169,6 @@ def test_ddp_save_load_resumes_bitwise_sync_async_and_through_report(tmp_path):
 def _reshard_worker(rank, world, tmp):
     from torch.distributed.fsdp import fully_shard
 
-    _init(rank, world, tmp)
     tmp = Path(tmp)
     model = _ddp()
     opt, sched, loader = _parts(model)
@@ -204,11 +193,10 @@ def _reshard_worker(rank, world, tmp):
     full = _full_state(sharded, opt2)  # a collective: every rank
     if rank == 0:
         torch.save(full, tmp / "fsdp_full.pt")
-    dist.destroy_process_group()
 
 
 def test_checkpoints_reshard_ddp_to_fsdp2_and_two_ranks_to_one(tmp_path, caplog):
-    _spawn(_reshard_worker, tmp_path)
+    _on_two_ranks(_reshard_worker, tmp_path)
     for name in ("ddp", "fsdp"):
         model = _net()
         opt, sched, loader = _parts(model, rank=0, world=1)
