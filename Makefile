@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[tpu,test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[tpu,test,bench,notebook,serve]'
 	touch $@
 
 demo: $(STAMP)
