@@ -1,21 +1,30 @@
-"""Exact resume after a worker failure, on a simulated v4 2x2x1 slice (1 host, 4 workers).
+"""Exact resume after a failure, on a simulated cluster of two v4 2x2x2 slices
+(2 hosts and 8 workers each; a run takes one slice, the other is the spare).
 
 Each run trains a tiny model with dropout over a rank-sharded StatefulDataLoader
 for STEPS steps (3 epochs), checkpointing every step with
-`ray_train_tpu.checkpoint.report`. Rank 1 exits after step FAIL_AFTER (once: a
-marker file), Ray Train restarts the worker group (FailureConfig(max_failures=1)),
-and the run resumes from the last checkpoint Ray registered. Then the same
-workers train again from scratch without any checkpointing: the uninterrupted
-reference. Final parameters, optimizer state and the losses of every step after
-the resume must be bitwise equal.
+`ray_train_tpu.checkpoint.report`. Once (a marker file) the first attempt fails
+at step FAIL_AFTER in one of three ways:
 
-Not tested here: losing the whole slice (SimulatedTPUCluster.remove_host/add_host
-during fit()); in a trial the re-added host did not register and Ray's
-controller retried the slice reservation every 60 s without end.
+- "worker": rank 1 exits after its report of the step; the survivors are left
+  in the next step's collective;
+- "save": rank 1 exits inside DCP's write of the step's checkpoint, before
+  writing a byte; the survivors are left in DCP's collective;
+- "host": the driver removes TPU worker 1 of the slice in use from the cluster,
+  as a preempted TPU VM.
+
+Ray Train restarts the worker group (FailureConfig(max_failures=1)) and the
+run resumes from the last checkpoint Ray registered. Then the same workers train
+again from scratch without any checkpointing: the uninterrupted reference. Final
+parameters, optimizer state and the losses of every step after the resume must
+be bitwise equal; the failure must end the attempt long before the process
+group's timeout; the restarted group must hold a whole slice and fresh
+launch variables.
 """
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,17 +36,22 @@ from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
 from ray_train_tpu.checkpoint import MANIFEST
+from ray_train_tpu.launch_env import ENV_KEYS, build_plan
 from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
 
-TOPOLOGY, ACCEL, WORLD = "2x2x1", "TPU-V4", 4
+TOPOLOGY, ACCEL, WORLD, SLICES = "2x2x2", "TPU-V4", 8, 2
 STEPS, FAIL_AFTER = 6, 3  # 2 batches per rank and epoch
+# The process group's timeout (TorchConfig.timeout_s): survivors of a failure
+# must be stopped by Ray long before a collective would time out.
+PG_TIMEOUT_S = 1800
 
 
 @pytest.fixture(scope="module")
 def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL) as cluster:
+    with simulated_tpu_cluster(TOPOLOGY, ACCEL, num_slices=SLICES) as cluster:
         yield cluster
 
 
@@ -65,7 +79,7 @@ def _build(strategy, rank):
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     g = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 2, generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(96, 6, generator=g), torch.randn(96, 2, generator=g))
     loader = stateful_dataloader(data, batch_size=6, seed=11)
     torch.manual_seed(1000 + rank)  # dropout: a stream per rank, restored per rank
     return model, opt, sched, loader
@@ -81,13 +95,17 @@ def _run(config, rank, checkpointing):
 
     from ray_train_tpu import checkpoint
 
-    out = Path(config["out"])
+    from ray_train_tpu.launch_env import ENV_KEYS
+
+    out, fail = Path(config["out"]), config.get("fail")
     model, opt, sched, loader = _build(config["strategy"], rank)
     info = checkpoint.restore(model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader) if checkpointing else None
     step, epoch, losses = (0 if info is None else info.step), loader.epoch, {}
-    if checkpointing and rank == 0:
-        with open(out / "attempts.jsonl", "a") as f:
-            f.write(json.dumps({"resumed_from": None if info is None else info.step}) + "\n")
+    if checkpointing:
+        record = {"rank": rank, "resumed_from": None if info is None else info.step, "t": time.time(),
+                  "slice": os.environ.get("TPU_NAME"), "env": {k: os.environ.get(k) for k in ENV_KEYS}}
+        with open(out / "attempts.jsonl", "a") as f:  # one short line per rank: an atomic append
+            f.write(json.dumps(record) + "\n")
     while step < STEPS:
         loader.set_epoch(epoch)
         for x, y in loader:
@@ -99,17 +117,42 @@ def _run(config, rank, checkpointing):
             step += 1
             losses[step] = loss.item()
             if checkpointing:
+                failing = step == FAIL_AFTER and fail and not (out / "failed").exists()
+                if failing and fail == "save" and rank == 1:
+                    _die_in_next_dcp_write(out / "failed")
                 checkpoint.report({"loss": loss.item()}, model=model, optimizer=opt, lr_scheduler=sched,
                                   dataloader=loader, step=step, extra={"epoch": epoch})
-                if step == config.get("fail_after") and rank == 1 and not (out / "failed").exists():
-                    (out / "failed").touch()
-                    os._exit(1)
+                if failing and fail == "worker" and rank == 1:
+                    _fail_now(out / "failed")
+                if failing and fail == "host" and rank == 0:
+                    _wait_for_host_loss(out)
             if step == STEPS:
                 break
         epoch += 1
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {"model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, opt, options=full)}, losses
+
+
+def _fail_now(marker: Path) -> None:
+    marker.write_text(str(time.time()))
+    os._exit(1)
+
+
+def _die_in_next_dcp_write(marker: Path) -> None:
+    """The next DCP save on this rank exits the process as it starts writing files."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    FileSystemWriter.write_data = lambda *args, **kwargs: _fail_now(marker)
+
+
+def _wait_for_host_loss(out: Path) -> None:
+    """Ask the driver to remove a host of this slice, then wait to be stopped."""
+    (out / "remove_host").write_text(os.environ["TPU_NAME"])
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        time.sleep(1)
+    raise RuntimeError("the driver did not remove a host of this slice within 300 s")
 
 
 def _train(config):
@@ -125,12 +168,27 @@ def _train(config):
                     "reference_losses": reference_losses}, Path(config["out"]) / "final.pt")
 
 
-def _fit(tmp_path, name, strategy, fail_after=None):
+def _remove_host_when_asked(sim, out: Path, stop: threading.Event) -> None:
+    """Driver side of the "host" failure: remove TPU worker 1 of the slice rank 0 names."""
+    request = out / "remove_host"
+    while not stop.is_set():
+        if request.exists() and (name := request.read_text()):
+            slice_id = sim.slice_names.index(name)
+            (out / "failed").write_text(str(time.time()))
+            sim.remove_host(slice_id, 1)
+            return
+        time.sleep(0.2)
+
+
+def _fit(tmp_path, name, strategy, fail=None, sim=None):
     out = tmp_path / name
     out.mkdir()
+    stop = threading.Event()
+    if fail == "host":
+        threading.Thread(target=_remove_host_when_asked, args=(sim, out, stop), daemon=True).start()
     trainer = TorchTrainer(
         _train,
-        train_loop_config={"out": str(out), "strategy": strategy, "fail_after": fail_after},
+        train_loop_config={"out": str(out), "strategy": strategy, "fail": fail},
         scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
         torch_config=TPUTorchConfig(),
         run_config=ray.train.RunConfig(
@@ -138,10 +196,27 @@ def _fit(tmp_path, name, strategy, fail_after=None):
         ),
     )
     start = time.time()
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:
+        stop.set()
     assert result.error is None, result.error
-    attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+    attempts = _group_attempts(records)
     return dict(result=result, attempts=attempts, seconds=time.time() - start, out=out, **torch.load(out / "final.pt"))
+
+
+def _group_attempts(records: list) -> list:
+    """Per attempt (in order), its records by rank; every rank writes one per attempt."""
+    records.sort(key=lambda r: r["t"])
+    attempts, seen = [], set()
+    for r in records:
+        if not attempts or r["rank"] in seen:
+            attempts.append({})
+            seen = set()
+        attempts[-1][r["rank"]] = r
+        seen.add(r["rank"])
+    return attempts
 
 
 def _assert_bitwise_equal(a, b, where="final"):
@@ -159,21 +234,57 @@ def _assert_bitwise_equal(a, b, where="final"):
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_resume_after_worker_failure_is_bitwise_exact(sim, tmp_path, strategy):
-    run = _fit(tmp_path, strategy, strategy, fail_after=FAIL_AFTER)
-    print(f"{strategy}: {run['seconds']:.0f} s")
-    assert (run["out"] / "failed").exists()
+@pytest.mark.parametrize("strategy, fail", [("ddp", "worker"), ("fsdp2", "save")])
+def test_resume_after_worker_failure_is_bitwise_exact(sim, tmp_path, strategy, fail):
+    """DDP: a worker dies between steps; FSDP2: a worker dies writing a checkpoint."""
+    run = _fit(tmp_path, strategy, strategy, fail=fail)
+    print(f"{strategy}, {fail} failure: {run['seconds']:.0f} s")
     _assert_exact_resume(run)
+    if fail == "save":  # the step being written never became a checkpoint
+        assert run["attempts"][1][0]["resumed_from"] < FAIL_AFTER
+
+
+def test_lost_host_restarts_the_run_on_a_whole_free_slice(sim, tmp_path):
+    """A host of the slice in use disappears: the attempt fails, and the retry
+    takes the other, whole slice (never what is left of the first) with launch
+    variables planned afresh for it, resuming exactly. No placement group is left."""
+    run = _fit(tmp_path, "host", "ddp", fail="host", sim=sim)
+    print(f"host loss: {run['seconds']:.0f} s")
+    _assert_exact_resume(run)
+    first, second = run["attempts"]
+    assert len({r["slice"] for r in first.values()}) == 1 and len({r["slice"] for r in second.values()}) == 1
+    lost, taken = first[0]["slice"], second[0]["slice"]
+    assert taken != lost, "the retry ran on what was left of the slice that lost a host"
+    slice_id = sim.slice_names.index(taken)
+    env0 = second[0]["env"]
+    plan = build_plan(
+        Topology.parse(TOPOLOGY, ACCEL),
+        hosts=[sim.hosts[(slice_id, 0)], sim.hosts[(slice_id, 1)]],
+        xprof_session_id=env0["TORCH_TPU_XPROF_SESSION_ID"],
+        master_port=int(env0["MASTER_PORT"]),
+    )
+    for rank, record in second.items():
+        assert record["env"] == {k: plan["workers"][rank]["env"].get(k) for k in ENV_KEYS}, rank
+    assert env0["TORCH_TPU_XPROF_SESSION_ID"] != first[0]["env"]["TORCH_TPU_XPROF_SESSION_ID"]
+    assert env0["MASTER_ADDR"] != first[0]["env"]["MASTER_ADDR"]
+    live = {k: v for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+    assert not live, f"placement groups left after fit(): {live}"
 
 
 def _assert_exact_resume(run):
-    assert len(run["attempts"]) == 2, run["attempts"]
-    resumed_from = run["attempts"][1]["resumed_from"]
+    first, second = (run["attempts"] + [{}, {}])[:2]
+    assert len(run["attempts"]) == 2 and sorted(first) == sorted(second) == list(range(WORLD)), run["attempts"]
+    resumed_from = second[0]["resumed_from"]
+    assert {r["resumed_from"] for r in first.values()} == {None}
+    assert {r["resumed_from"] for r in second.values()} == {resumed_from}
     # Ray registers a step's checkpoint once it has collected every rank's report
     # of it; reports not yet collected when a worker dies are lost, so the run
     # may resume a step or two before FAIL_AFTER (seen: 3 with FAIL_AFTER 5).
-    assert run["attempts"][0] == {"resumed_from": None} and 1 <= resumed_from <= FAIL_AFTER
+    assert 1 <= resumed_from <= FAIL_AFTER
+    # Survivors blocked in a collective were stopped by Ray, not by its timeout.
+    restart_s = min(r["t"] for r in second.values()) - float((run["out"] / "failed").read_text())
+    print(f"failure to restarted worker group: {restart_s:.0f} s")
+    assert 0 < restart_s < PG_TIMEOUT_S / 6
     assert sorted(run["losses"]) == list(range(resumed_from + 1, STEPS + 1))
     assert run["losses"] == {k: v for k, v in run["reference_losses"].items() if k > resumed_from}
     _assert_bitwise_equal(run["resumed"], run["reference"])
