@@ -104,6 +104,8 @@ def _run(config, rank, checkpointing):
     if checkpointing:
         record = {"rank": rank, "resumed_from": None if info is None else info.step, "t": time.time(),
                   "slice": os.environ.get("TPU_NAME"), "env": {k: os.environ.get(k) for k in ENV_KEYS}}
+        if rank == 0:
+            record["placement_groups"] = _live_placement_groups()
         with open(out / "attempts.jsonl", "a") as f:  # one short line per rank: an atomic append
             f.write(json.dumps(record) + "\n")
     while step < STEPS:
@@ -132,6 +134,14 @@ def _run(config, rank, checkpointing):
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {"model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, opt, options=full)}, losses
+
+
+def _live_placement_groups() -> list:
+    """The IPs of the nodes holding each placement group not removed, now."""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    table = ray.util.placement_group_table().values()
+    return [sorted({ips.get(node) for node in pg["bundles_to_node_id"].values()})
+            for pg in table if pg["state"] != "REMOVED"]
 
 
 def _fail_now(marker: Path) -> None:
@@ -267,6 +277,11 @@ def test_lost_host_restarts_the_run_on_a_whole_free_slice(sim, tmp_path):
         assert record["env"] == {k: plan["workers"][rank]["env"].get(k) for k in ENV_KEYS}, rank
     assert env0["TORCH_TPU_XPROF_SESSION_ID"] != first[0]["env"]["TORCH_TPU_XPROF_SESSION_ID"]
     assert env0["MASTER_ADDR"] != first[0]["env"]["MASTER_ADDR"]
+    # The failed attempt's placement groups (slice head and slice) were released:
+    # while the retry runs, those alive are as many as before and on its slice.
+    new_hosts = {sim.hosts[(slice_id, 0)], sim.hosts[(slice_id, 1)]}
+    assert len(second[0]["placement_groups"]) == len(first[0]["placement_groups"]) >= 1
+    assert all(set(ips) <= new_hosts for ips in second[0]["placement_groups"]), second[0]["placement_groups"]
     live = {k: v for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
     assert not live, f"placement groups left after fit(): {live}"
 
