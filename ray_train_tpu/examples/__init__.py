@@ -1,0 +1,1 @@
+"""Small, offline data for the examples and notebooks (nothing is downloaded)."""
