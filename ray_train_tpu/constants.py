@@ -47,6 +47,8 @@ RAY_TPU_RESOURCE_PER_CHIP = "RAY_TPU_RESOURCE_PER_CHIP"
 # vLLM: which platform it believes it runs on. Ray Serve LLM imports vLLM's
 # protocol classes; with libtpu installed vLLM would pick "tpu" (README "Serving").
 VLLM_TARGET_DEVICE = "VLLM_TARGET_DEVICE"
+# vLLM logs to stdout by default; ours go to stderr so that stdout stays data.
+VLLM_LOGGING_STREAM = "VLLM_LOGGING_STREAM"
 # Hugging Face: never reach the Hub (the serving tests load a packaged GGUF file).
 HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 

@@ -18,8 +18,11 @@ TESTED_RAY_VERSION = "2.60.0"
 # What every process that imports ray.serve.llm must carry (replicas included).
 SERVE_ENV = {C.VLLM_TARGET_DEVICE: "cpu", C.TPU_SKIP_MDS_QUERY: "1"}
 
-if _environ.get(C.VLLM_TARGET_DEVICE) is None:
-    _environ.update({C.VLLM_TARGET_DEVICE: "cpu"})
+_environ.update({
+    k: v
+    for k, v in {C.VLLM_TARGET_DEVICE: "cpu", C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items()
+    if _environ.get(k) is None
+})
 
 from fastapi import HTTPException  # noqa: E402
 from ray.llm._internal.serve.core.configs.openai_api_models import (  # noqa: E402

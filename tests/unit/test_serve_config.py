@@ -101,3 +101,23 @@ def test_host_workers_that_are_not_one_slice_are_refused(reports):
 
     with pytest.raises(RuntimeError, match="are not the 4 hosts of one"):
         host_order(reports, SliceServeSpec(accelerator_type="TPU-V6E", topology="4x4"))
+
+
+def test_serve_cli_prints_the_llm_config_as_json():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ray_train_tpu", "serve", "--model", "smollm2", "--topology", "4x4",
+         "--accelerator-type", "v6e", "--num-replicas", "2", "--print-config"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TPU_SKIP_MDS_QUERY": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = json.loads(out.stdout)  # stdout is only the JSON (vLLM logs go to stderr)
+    assert config["accelerator_type"] == "TPU-V6E"
+    assert config["accelerator_config"] == {"kind": "tpu", "topology": "4x4"}
+    assert config["engine_kwargs"] == {"tensor_parallel_size": 16}
+    assert config["deployment_config"] == {"num_replicas": 2}
+    assert config["model_loading_config"]["model_id"] == "smollm2"
+    assert config["server_cls"] == "ray_train_tpu.serve.engine.TorchTPULLMServer"
