@@ -68,9 +68,3 @@ class OpenAiErrorsIngress(OpenAiIngress):
         except HTTPException as e:
             kind = "NotFoundError" if e.status_code == 404 else "BadRequestError"
             raise OpenAIHTTPException(status_code=e.status_code, message=str(e.detail), type=kind) from None
-
-
-def slice_pg_wrapper(engine_config):
-    """Ray's ``SlicePlacementGroup`` behind the engine config's TPU accelerator
-    (head placement groups included), or None before it reserved one."""
-    return getattr(engine_config.accelerator, "_slice_pg_wrapper", None)

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1..65535")
     source, default_id = _model_source(args.model)
-    from ray_train_tpu.serve.builder import build_llm_config, build_openai_app
+    from ray_train_tpu.serve.builder import build_llm_config
 
     config = build_llm_config(
         source, spec.topology, spec.accelerator_type, model_id=args.model_id or default_id,
@@ -61,20 +61,25 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         json.dump(dumped, out, indent=1)
         out.write("\n")
         return 0
-    app = build_openai_app([config])
     if args.simulate:
         from ray_train_tpu.testing import simulated_tpu_cluster
 
         with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=args.num_replicas):
-            return _serve(app, args, out, simulated=True)
+            return _serve(config, args, out, simulated=True)
     import ray
 
     ray.init(address=args.address or "auto")
-    return _serve(app, args, out, simulated=False)
+    return _serve(config, args, out, simulated=False)
 
 
-def _serve(app, args, out: TextIO, simulated: bool) -> int:
+def _serve(config, args, out: TextIO, simulated: bool) -> int:
     from ray import serve
+
+    from ray_train_tpu.serve.builder import build_openai_app
+
+    # After connecting: building the app reads the cluster's runtime_env (and
+    # would start a local Ray instance otherwise).
+    app = build_openai_app([config])
 
     # One proxy, on the head: on a multi-node cluster every node's proxy would
     # bind the same port.

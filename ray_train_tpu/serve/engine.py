@@ -150,6 +150,9 @@ class TorchTPUEngine(R.LLMEngine):
     def _check(self, request: Any, kind: str) -> Optional["R.ErrorResponse"]:
         if getattr(request, "n", 1) not in (None, 1):
             return _error(f"n={request.n} is not supported; rule: n == 1")
+        for field in ("stop", "logprobs", "tools"):  # refused, never silently ignored
+            if getattr(request, field, None):
+                return _error(f"{field} is not supported by the TorchTPU engine; remove it")
         if kind == "chat":
             if not request.messages:
                 return _error("messages must be a non-empty list of chat messages")

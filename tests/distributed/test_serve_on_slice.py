@@ -169,8 +169,9 @@ def test_completions_stream_and_not(base_url):
         ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
         ("/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": -1}, 400),
         ("/v1/completions", {"model": MODEL_ID, "prompt": ""}, 400),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": "hi", "stop": ["."]}, 400),
     ],
-    ids=["unknown-model", "empty-messages", "max-tokens-0", "max-tokens-negative", "empty-prompt"],
+    ids=["unknown-model", "empty-messages", "max-tokens-0", "max-tokens-negative", "empty-prompt", "stop-unsupported"],
 )
 def test_bad_requests_get_openai_errors(base_url, path, body, status):
     got, ctype, text = _post(base_url + path, body)
@@ -189,7 +190,7 @@ def test_a_second_replica_waits_for_a_second_slice(sim, base_url):
     second = build_llm_config(smollm2_gguf(), TOPOLOGY, ACCEL, model_id="second")
     serve._run(build_llm_deployment(second), name="second", route_prefix=None, _blocking=False)
     try:
-        deadline = time.monotonic() + 25
+        deadline = time.monotonic() + 15  # long enough to see it would not take part of the slice
         while time.monotonic() < deadline:
             app = serve.status().applications.get("second")
             assert app is None or app.status in ("DEPLOYING", "NOT_STARTED"), app
