@@ -39,6 +39,9 @@ _KEEP_RAY_KEYS = (C.TPU_VISIBLE_CHIPS,)
 # Host workers are named actors here, "<prefix><model id>:<replica>:bundle<i>".
 HOST_WORKER_NAMESPACE = "ray_train_tpu.serve"
 HOST_WORKER_PREFIX = "host:"
+HOST_WORKER_CONCURRENCY = 8
+# Serve's health check times out after 10 s (RAY_SERVE_LLM_DEFAULT_HEALTH_CHECK_TIMEOUT_S).
+HEALTH_PING_TIMEOUT_S = 8.0
 
 
 def host_order(reports: list[dict], spec: SliceServeSpec) -> list[int]:
@@ -104,6 +107,9 @@ class TorchTPUEngine(R.LLMEngine):
                 namespace=HOST_WORKER_NAMESPACE,
                 num_cpus=1,
                 resources={"TPU": topo.devices_per_host},
+                # Threads, so that health pings answer while a request generates
+                # (generation itself is serialized by the worker's lock).
+                max_concurrency=HOST_WORKER_CONCURRENCY,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i
                 ),
@@ -250,7 +256,9 @@ class TorchTPUEngine(R.LLMEngine):
 
     async def check_health(self) -> None:
         """Every host worker answers; a lost host makes Serve replace the replica."""
-        await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout=30)
+        await asyncio.wait_for(
+            asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout=HEALTH_PING_TIMEOUT_S
+        )
 
     async def shutdown(self) -> None:
         for w in self.workers:

@@ -83,14 +83,10 @@ class HostWorker:
         import torch
         from transformers import TextIteratorStreamer
 
-        ids = self.encode(kind, prompt)
-        input_ids = torch.tensor([ids], device=self._device)
         streamer = TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
         sample = temperature is not None and temperature > 0
-        kwargs = dict(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-            do_sample=sample, streamer=streamer, pad_token_id=self._tokenizer.eos_token_id,
-        )
+        kwargs = dict(max_new_tokens=max_tokens, do_sample=sample, streamer=streamer,
+                      pad_token_id=self._tokenizer.eos_token_id)
         if sample:
             kwargs.update(temperature=temperature, top_p=1.0 if top_p is None else top_p)
         else:
@@ -98,11 +94,18 @@ class HostWorker:
         out: dict = {}
 
         def run():
+            # One request at a time on the device; the tokenizer too (a fast
+            # tokenizer must not be used from two threads at once).
             with self._lock, torch.no_grad():
-                if seed is not None:
-                    torch.manual_seed(seed)
                 try:
-                    out["ids"] = self._model.generate(**kwargs)
+                    ids = self.encode(kind, prompt)
+                    out["prompt_tokens"] = len(ids)
+                    input_ids = torch.tensor([ids], device=self._device)
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    out["ids"] = self._model.generate(
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs
+                    )
                 except BaseException as e:  # surfaced below, after the streamer ends
                     out["error"] = e
                     streamer.end()
@@ -115,9 +118,9 @@ class HostWorker:
         thread.join()
         if "error" in out:
             raise out["error"]
-        n = int(out["ids"].shape[1]) - len(ids)
+        n = int(out["ids"].shape[1]) - out["prompt_tokens"]
         yield {
             "finish_reason": "length" if n >= max_tokens else "stop",
-            "prompt_tokens": len(ids),
+            "prompt_tokens": out["prompt_tokens"],
             "completion_tokens": n,
         }

@@ -161,6 +161,32 @@ def test_completions_stream_and_not(base_url):
     assert streamed == plain["choices"][0]["text"] and streamed.strip()
 
 
+def test_hosts_answer_health_pings_while_a_request_generates(base_url):
+    import threading
+
+    from ray_train_tpu.serve.engine import HOST_WORKER_NAMESPACE, HEALTH_PING_TIMEOUT_S
+
+    result = {}
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Count from 1 to 200, separated by commas."}],
+            "max_tokens": 64, "temperature": 0}
+    request = threading.Thread(target=lambda: result.update(r=_post(f"{base_url}/v1/chat/completions", body)))
+    request.start()
+    time.sleep(1.5)
+    names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+             if n["namespace"] == HOST_WORKER_NAMESPACE]
+    lead = [ray.get_actor(n, namespace=HOST_WORKER_NAMESPACE) for n in names]
+    lead = [h for h in lead if ray.get(h.describe.remote(), timeout=HEALTH_PING_TIMEOUT_S)["loaded"]][0]
+    t0 = time.monotonic()
+    assert ray.get(lead.ping.remote(), timeout=HEALTH_PING_TIMEOUT_S)
+    ping_s = time.monotonic() - t0
+    still_generating = request.is_alive()
+    request.join(timeout=300)
+    status, _, text = result["r"]
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["finish_reason"] == "length"
+    assert still_generating and ping_s < HEALTH_PING_TIMEOUT_S
+
+
 @pytest.mark.parametrize(
     "path, body, status",
     [
