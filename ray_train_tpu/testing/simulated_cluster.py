@@ -253,7 +253,11 @@ def simulated_tpu_cluster(
             head_node_args=dict(
                 node_ip_address=HEAD_IP,
                 num_cpus=1,
-                include_dashboard=False,
+                # Ray Train's PlacementGroupCleaner asks the state API (served by
+                # the dashboard) whether the controller lives: without it, no
+                # safety net and a warning every second.
+                include_dashboard=True,
+                dashboard_port=0,
                 object_store_memory=_OBJECT_STORE_BYTES,
                 env_vars=dict(driver_env),
             ),
