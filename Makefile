@@ -14,7 +14,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[tpu,test,bench,notebook,serve]'
