@@ -139,6 +139,9 @@ class TPUTorchConfig(TorchConfig):
 
 class _TPUTorchBackend(_TorchBackend):
     share_cuda_visible_devices: bool = True
+    # Ranks still busy in a roll call or rendezvous that timed out: shutdown must
+    # not queue a call behind them (a stalled host would hold it to its timeout).
+    _busy_ranks: frozenset = frozenset()
 
     def on_start(self, worker_group, backend_config: TPUTorchConfig):
         try:
@@ -223,22 +226,34 @@ class _TPUTorchBackend(_TorchBackend):
         """Roll call, then the process group, each bounded by rendezvous_timeout_s,
         so a host that never joins fails the attempt naming its ranks."""
         world_size = len(worker_group)
-        calls = [worker_group.execute_single_async(i, _worker.arrive) for i in range(world_size)]
-        _wait_all(calls, cfg, plan, backend, "answer the roll call before the rendezvous")
-        calls = [
-            worker_group.execute_single_async(
-                i, _worker.join_process_group, backend=backend, world_rank=i, world_size=world_size, timeout_s=cfg.timeout_s
-            )
-            for i in range(world_size)
-        ]
-        _wait_all(calls, cfg, plan, backend, f"join the {backend} process group")
+        try:
+            calls = [worker_group.execute_single_async(i, _worker.arrive) for i in range(world_size)]
+            _wait_all(calls, cfg, plan, backend, "answer the roll call before the rendezvous")
+            calls = [
+                worker_group.execute_single_async(
+                    i, _worker.join_process_group, backend=backend, world_rank=i, world_size=world_size,
+                    timeout_s=cfg.timeout_s,
+                )
+                for i in range(world_size)
+            ]
+            _wait_all(calls, cfg, plan, backend, f"join the {backend} process group")
+        except _RendezvousTimeout as e:
+            self._busy_ranks = frozenset(e.ranks)
+            raise
 
     def on_shutdown(self, worker_group, backend_config):
-        futures = worker_group.execute_async(_worker.leave_process_group)
+        ranks = [i for i in range(len(worker_group)) if i not in self._busy_ranks]
+        futures = [worker_group.execute_single_async(i, _worker.leave_process_group) for i in ranks]
         try:
             ray.get(futures, timeout=30)
         except ray.exceptions.GetTimeoutError:
             logger.warning("ray_train_tpu: process group shutdown timed out after 30 s")
+
+
+class _RendezvousTimeout(TimeoutError):
+    def __init__(self, message: str, ranks: tuple = ()):  # ranks do not survive pickling
+        super().__init__(message)
+        self.ranks = ranks
 
 
 def _wait_all(calls: list, cfg: TPUTorchConfig, plan: Layout, backend: str, what: str) -> None:
@@ -247,11 +262,12 @@ def _wait_all(calls: list, cfg: TPUTorchConfig, plan: Layout, backend: str, what
     if pending:
         missing = [calls.index(c) for c in pending]
         hosts = sorted({plan.hosts[_node_rank(r, plan)] for r in missing})
-        raise TimeoutError(
+        raise _RendezvousTimeout(
             f"ray_train_tpu: {len(missing)} of {len(calls)} workers did not {what} within "
             f"rendezvous_timeout_s={cfg.rendezvous_timeout_s:g}: ranks {_ranges(missing)} on "
             f"host(s) {', '.join(hosts)}. Check that those hosts are up and reachable "
-            f"(MASTER_ADDR={plan.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)"
+            f"(MASTER_ADDR={plan.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)",
+            missing,
         )
 
 

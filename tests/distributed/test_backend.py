@@ -211,6 +211,7 @@ def test_host_that_never_joins_fails_within_timeout_naming_it(sim, tmp_path):
         msg = str(e.value)
         assert "4 of 8 workers did not answer the roll call" in msg and "ranks 4-7" in msg
         assert sim.hosts[(0, 1)] in msg and "rendezvous_timeout_s=10" in msg
+        print(f"stalled host: fit() failed after {elapsed:.0f} s")
         assert elapsed < 120, elapsed
         _assert_released()
     finally:

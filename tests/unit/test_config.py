@@ -59,3 +59,31 @@ def test_small_helpers():
     assert _generation_of("v4-16") == "TPU-V4" and _generation_of("tpu7x-8") == "TPU-V7X"
     assert _generation_of("v5litepod-16") == "TPU-V5LITEPOD" and _generation_of(None) is None
     assert _ranges([4, 5, 6, 7, 9, 0]) == "0, 4-7, 9"
+
+
+def test_shutdown_does_not_queue_behind_workers_stuck_in_a_timed_out_rendezvous(monkeypatch):
+    """A stalled host's workers are still busy in the roll call: asking them to
+    leave the process group would wait out the 30 s shutdown timeout."""
+    from ray_train_tpu import config
+
+    class Group:
+        def __init__(self):
+            self.called = []
+
+        def __len__(self):
+            return 4
+
+        def execute_single_async(self, rank, fn):
+            self.called.append((rank, fn.__name__))
+            return rank
+
+    waited = []
+    monkeypatch.setattr(config.ray, "get", lambda futures, timeout: waited.append((futures, timeout)))
+    backend = config._TPUTorchBackend()
+    group = Group()
+    backend.on_shutdown(group, None)
+    assert group.called == [(r, "leave_process_group") for r in range(4)]
+    backend._busy_ranks, group.called, waited[:] = frozenset({2, 3}), [], []
+    backend.on_shutdown(group, None)
+    assert group.called == [(0, "leave_process_group"), (1, "leave_process_group")]
+    assert waited == [([0, 1], 30)]
