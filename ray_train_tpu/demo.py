@@ -64,6 +64,9 @@ def _train_loop(config: dict) -> None:
             print(
                 f"[SIMULATED] step {step:3d}  loss {metrics['loss']:.4f}  "
                 f"{metrics['samples_per_s']:8.0f} samples/s  step {metrics['step_time_s'] * 1e3:6.1f} ms",
+                # The worker's own stdout: Ray Train 2.60 patches print() to log
+                # a line and also echo it, and the driver then showed it twice.
+                file=sys.__stdout__,
                 flush=True,
             )
         checkpoint = None
