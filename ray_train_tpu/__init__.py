@@ -1,7 +1,7 @@
 """Ray Train on Google Cloud TPU slices, with native PyTorch (torch_tpu).
 
 Public API: `Topology`, `TPUScalingConfig`, `TPUTorchConfig`, `TPUTorchTrainer`,
-`get_device`, `prepare_model`,
+`get_device`, `compute_dtype`, `prepare_model`,
 `setup_process_group` / `shutdown_process_group` (plain Ray actors). Names are imported on first use, so
 that ``python -m ray_train_tpu plan`` starts without importing Ray or torch.
 
@@ -21,6 +21,7 @@ _PUBLIC = {
     "TPUTorchConfig": "ray_train_tpu.config",
     "TPUTorchTrainer": "ray_train_tpu.trainer",
     "get_device": "ray_train_tpu.device",
+    "compute_dtype": "ray_train_tpu.device",
     "prepare_model": "ray_train_tpu.prepare",
     "setup_process_group": "ray_train_tpu.actors",
     "shutdown_process_group": "ray_train_tpu.actors",

@@ -497,3 +497,6 @@ def restore(*, model, optimizer=None, lr_scheduler=None, dataloader=None, rng: b
         return load(directory, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     dataloader=dataloader, rng=rng)
 
+
+# A termination notice -> a checkpoint of every rank at the next step boundary.
+from ray_train_tpu.preemption import Preempted, PreemptionGuard  # noqa: E402,F401

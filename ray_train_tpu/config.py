@@ -34,6 +34,7 @@ from ray.train.torch.config import _TorchBackend
 from ray_train_tpu import _ray_adapter
 from ray_train_tpu import _worker
 from ray_train_tpu import constants as C
+from ray_train_tpu import preemption
 from ray_train_tpu.launch_env import apply_preset, launch_envs
 from ray_train_tpu.layout import Layout, WorkerInfo, layout
 from ray_train_tpu.topology import Topology, get_generation
@@ -152,6 +153,9 @@ class _TPUTorchBackend(_TorchBackend):
 
     def _start(self, worker_group, backend_config: TPUTorchConfig):
         reports = worker_group.execute(_worker.report)
+        # On the workers' main threads (the training function runs in another one),
+        # for checkpoint.PreemptionGuard; dormant until a guard is armed.
+        worker_group.execute(preemption.install_handler)
         _fill_node_tpus(reports)
         if not any(r["tpu_ids"] for r in reports):
             # No TPUs: GPUs or CPUs, exactly as Ray's own TorchConfig does it.

@@ -1,0 +1,220 @@
+"""A termination notice on any host -> a checkpoint of every rank at the next step boundary.
+
+Spot and preemptible TPU VMs, and GKE node drains, send SIGTERM and give a grace
+period before the host goes away (30 s on GCE spot/preemptible VMs; on GKE the
+pod's ``terminationGracePeriodSeconds``, capped for spot nodes by the node's
+graceful-shutdown period, 30 s by default). By default a Ray worker exits at once
+on SIGTERM, and the run resumes from its last periodic checkpoint, losing every
+step since.
+
+With a `PreemptionGuard` the worker instead remembers the notice, and the next
+`PreemptionGuard.requested` (a collective: call it on every rank at every step
+boundary) is True on *every* rank, so that all of them save the step just taken
+and stop; Ray Train restarts the worker group (``FailureConfig(max_failures>=1)``)
+and ``checkpoint.restore`` resumes from that step::
+
+    with checkpoint.PreemptionGuard(grace_period_s=30) as guard:
+        for step in range(start, steps):
+            train_step()
+            preempted = guard.requested()
+            if preempted or step % every == 0:
+                checkpoint.report(metrics, model=model, optimizer=opt, step=step)
+            if preempted:
+                guard.stop()  # raises Preempted: the retry resumes from `step`
+
+What if the save cannot finish in time: a checkpoint is complete or absent (its
+manifest is written last), so a host that is killed mid-save leaves the previous
+checkpoint as the resume point, and a notice that arrives during a save never
+interrupts it. If the worker is still alive when ``grace_period_s`` has passed
+since the notice, it exits itself (as the host's shutdown would kill it).
+
+The SIGTERM handler is installed on every worker's main thread by
+`TPUTorchConfig`'s backend (the training function runs in another thread, where
+Python cannot install signal handlers); until a guard is armed it passes SIGTERM
+on to the handler it replaced (Ray's: exit), so nothing changes for loops that do
+not use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+# What a worker exits with when the grace period ran out: 128 + SIGTERM, as a
+# process killed by SIGTERM reports.
+_GRACE_EXPIRED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(RuntimeError):
+    """Raised on every rank by `PreemptionGuard.stop` once the preemption checkpoint is reported."""
+
+
+class _State:
+    """Per-process state shared by the signal handler (main thread) and the guard (training thread)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.installed = False
+        self.previous: object = signal.SIG_DFL
+        self.grace_period_s: Optional[float] = None  # armed when set
+        self.noticed_at: Optional[float] = None
+        self.timer: Optional[threading.Timer] = None
+
+
+_state = _State()
+
+
+def install_handler() -> None:
+    """Install the SIGTERM handler. Must run on the process's main thread (idempotent)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("preemption.install_handler must run on the main thread (Python's signal rule)")
+    with _state.lock:
+        if _state.installed:
+            return
+        _state.previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _state.installed = True
+
+
+def handler_installed() -> bool:
+    return _state.installed
+
+
+def _on_sigterm(signum, frame) -> None:
+    with _state.lock:
+        grace = _state.grace_period_s
+        if grace is not None and _state.noticed_at is None:
+            _state.noticed_at = time.monotonic()
+            _state.timer = threading.Timer(grace, _grace_expired)
+            _state.timer.daemon = True
+            _state.timer.start()
+    if grace is None:
+        _pass_on(signum, frame)
+        return
+    logger.warning(
+        "ray_train_tpu: termination notice (SIGTERM) on pid %d; every rank checkpoints at the next "
+        "step boundary (grace period %.0f s)", os.getpid(), grace,
+    )
+
+
+def _pass_on(signum, frame) -> None:
+    """Do what would have happened without us."""
+    previous = _state.previous
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    # SIG_IGN: ignore, as before.
+
+
+def _grace_expired() -> None:
+    logger.error(
+        "ray_train_tpu: the grace period after the termination notice is over; exiting. The last "
+        "complete checkpoint stays the resume point."
+    )
+    logging.shutdown()
+    os._exit(_GRACE_EXPIRED_EXIT_CODE)
+
+
+def _reset() -> None:
+    with _state.lock:
+        if _state.timer is not None:
+            _state.timer.cancel()
+        _state.grace_period_s = None
+        _state.noticed_at = None
+        _state.timer = None
+
+
+class PreemptionGuard:
+    """Turn a termination notice on any host into a checkpoint of every rank.
+
+    Args:
+        grace_period_s: seconds between the notice and the host's end that this
+            process may use (30 on GCE spot VMs). After it the worker exits itself.
+        device: device of the flag tensor in `requested`'s all-reduce; default
+            ``ray_train_tpu.get_device()``.
+
+    Example:
+        >>> with PreemptionGuard(grace_period_s=30) as guard:  # doctest: +SKIP
+        ...     if guard.requested(): ...
+    """
+
+    def __init__(self, grace_period_s: float = 30.0, *, device=None):
+        self.grace_period_s = _grace_period(grace_period_s)
+        self._device = device
+        self._entered = False
+
+    def __enter__(self) -> "PreemptionGuard":
+        if not _state.installed:
+            raise RuntimeError(
+                "PreemptionGuard: no SIGTERM handler is installed in this worker. It is installed by "
+                "TPUTorchConfig's backend: train with TPUTorchTrainer, or TorchTrainer(..., "
+                "torch_config=TPUTorchConfig()); elsewhere call "
+                "ray_train_tpu.preemption.install_handler() on the process's main thread first."
+            )
+        with _state.lock:
+            _state.grace_period_s = self.grace_period_s
+            _state.noticed_at = None
+        self._entered = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._entered = False
+        _reset()
+
+    def noticed(self) -> bool:
+        """True if *this* process received a notice (no communication)."""
+        return _state.noticed_at is not None
+
+    def requested(self) -> bool:
+        """True on every rank if any rank received a notice. A collective: call it on
+        every rank at the same step boundaries."""
+        import torch
+        import torch.distributed as dist
+
+        if not self._entered:
+            raise RuntimeError("PreemptionGuard.requested() outside `with PreemptionGuard(...)`")
+        flag = torch.tensor([1 if self.noticed() else 0], dtype=torch.int32, device=self._flag_device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def stop(self) -> None:
+        """End this attempt on every rank after the preemption checkpoint was reported."""
+        left = None
+        if _state.noticed_at is not None:
+            left = self.grace_period_s - (time.monotonic() - _state.noticed_at)
+        raise Preempted(
+            "stopped for a termination notice after reporting a checkpoint"
+            + (f" ({left:.1f} s of the grace period left on this host)" if left is not None else
+               " (the notice came from another host)")
+            + "; Ray Train's FailureConfig(max_failures>=1) restarts the workers, and "
+              "checkpoint.restore resumes from that checkpoint"
+        )
+
+    def _flag_device(self):
+        if self._device is None:
+            import ray_train_tpu
+
+            self._device = ray_train_tpu.get_device()
+        return self._device
+
+
+
+def _grace_period(value) -> float:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= 24 * 3600:
+        raise ValueError(
+            f"PreemptionGuard.grace_period_s={value!r}: must be a finite number of seconds in (0, 86400]; "
+            "use your hosts' grace period, e.g. 30 for GCE spot VMs"
+        )
+    return float(value)
