@@ -28,6 +28,9 @@ checkpoint as the resume point, and a notice that arrives during a save never
 interrupts it. If the worker is still alive when ``grace_period_s`` has passed
 since the notice, it exits itself (as the host's shutdown would kill it).
 
+Ray Train 2.60's own signal, a node that Ray Core is draining
+(``ray.train.get_preemption_info``), counts as a notice too.
+
 The SIGTERM handler is installed on every worker's main thread by
 `TPUTorchConfig`'s backend (the training function runs in another thread, where
 Python cannot install signal handlers); until a guard is armed it passes SIGTERM
@@ -40,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -65,13 +69,22 @@ class _State:
         self.grace_period_s: Optional[float] = None  # armed when set
         self.noticed_at: Optional[float] = None
         self.timer: Optional[threading.Timer] = None
+        self.wakeup: Optional[tuple] = None  # keeps the socket pair alive
+        self.held_until = float("-inf")  # a taken notice's deadline, after disarming
 
 
 _state = _State()
 
 
 def install_handler() -> None:
-    """Install the SIGTERM handler. Must run on the process's main thread (idempotent)."""
+    """Install the SIGTERM handler. Must run on the process's main thread (idempotent).
+
+    Python runs signal handlers on the main thread only, and only when that thread
+    next executes Python code; a Ray worker's main thread waits in C++ for its next
+    task, so the handler alone could learn of a notice seconds late. The C-level
+    handler also writes each signal's number to the wakeup fd at once, from any
+    thread: a watcher thread reads it and records the notice immediately.
+    """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("preemption.install_handler must run on the main thread (Python's signal rule)")
     with _state.lock:
@@ -79,28 +92,60 @@ def install_handler() -> None:
             return
         _state.previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _on_sigterm)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        # Someone (an asyncio loop) had the wakeup fd: keep feeding it.
+        forward = None if previous_fd == -1 else previous_fd
+        _state.wakeup = (reader, writer)
+        threading.Thread(target=_watch, args=(reader, forward), daemon=True,
+                         name="ray_train_tpu-preemption").start()
         _state.installed = True
+
+
+def _watch(reader: socket.socket, forward: Optional[int]) -> None:
+    while True:
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        if forward is not None:
+            try:
+                os.write(forward, data)
+            except OSError:
+                pass
+        if signal.SIGTERM in data:
+            _notice()
 
 
 def handler_installed() -> bool:
     return _state.installed
 
 
-def _on_sigterm(signum, frame) -> None:
+def _notice() -> bool:
+    """Record a notice if a guard is armed; True if one is."""
     with _state.lock:
         grace = _state.grace_period_s
-        if grace is not None and _state.noticed_at is None:
-            _state.noticed_at = time.monotonic()
-            _state.timer = threading.Timer(grace, _grace_expired)
-            _state.timer.daemon = True
-            _state.timer.start()
-    if grace is None:
-        _pass_on(signum, frame)
-        return
+        if grace is None or _state.noticed_at is not None:
+            return grace is not None
+        _state.noticed_at = time.monotonic()
+        _state.timer = threading.Timer(grace, _grace_expired)
+        _state.timer.daemon = True
+        _state.timer.start()
     logger.warning(
         "ray_train_tpu: termination notice (SIGTERM) on pid %d; every rank checkpoints at the next "
         "step boundary (grace period %.0f s)", os.getpid(), grace,
     )
+    return True
+
+
+def _on_sigterm(signum, frame) -> None:
+    # The Python-level handler may run long after the watcher thread saw the signal,
+    # even after the guard was disarmed: a notice already taken is not passed on.
+    if not _notice() and time.monotonic() >= _state.held_until:
+        _pass_on(signum, frame)
 
 
 def _pass_on(signum, frame) -> None:
@@ -124,12 +169,12 @@ def _grace_expired() -> None:
 
 
 def _reset() -> None:
+    """Disarm. After a notice its deadline stays: the host is going away."""
     with _state.lock:
-        if _state.timer is not None:
-            _state.timer.cancel()
+        if _state.noticed_at is not None:
+            _state.held_until = _state.noticed_at + (_state.grace_period_s or 0.0)
         _state.grace_period_s = None
         _state.noticed_at = None
-        _state.timer = None
 
 
 class PreemptionGuard:
@@ -181,7 +226,8 @@ class PreemptionGuard:
 
         if not self._entered:
             raise RuntimeError("PreemptionGuard.requested() outside `with PreemptionGuard(...)`")
-        flag = torch.tensor([1 if self.noticed() else 0], dtype=torch.int32, device=self._flag_device())
+        local = self.noticed() or _ray_preemption_pending()
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self._flag_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -206,6 +252,18 @@ class PreemptionGuard:
             self._device = ray_train_tpu.get_device()
         return self._device
 
+
+
+def _ray_preemption_pending() -> bool:
+    """Ray Train's own notice for this worker (a node Ray Core is draining, e.g. by
+    KubeRay), read locally so that `requested` needs no second barrier. The public
+    ``ray.train.get_preemption_info()`` is itself a barrier through Ray's controller."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info is not None
+    except (ImportError, AttributeError, RuntimeError, AssertionError):
+        return False  # not in a Ray Train worker, or another Ray
 
 
 def _grace_period(value) -> float:

@@ -50,15 +50,19 @@ def _unarmed_passes_sigterm_on(rank, world_size):
     got = []
     signal.signal(signal.SIGTERM, lambda signum, frame: got.append("ray's handler"))
     preemption.install_handler()
-    os.kill(os.getpid(), signal.SIGTERM)  # no guard yet
+    os.kill(os.getpid(), signal.SIGTERM)  # no guard yet: passed on
     with preemption.PreemptionGuard(grace_period_s=60):
-        os.kill(os.getpid(), signal.SIGTERM)  # held by the guard
-    os.kill(os.getpid(), signal.SIGTERM)  # guard gone: passed on again
-    return got
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)  # guard gone, no notice taken: passed on again
+    with preemption.PreemptionGuard(grace_period_s=60) as guard:
+        os.kill(os.getpid(), signal.SIGTERM)  # taken by the guard
+        noticed = guard.noticed()
+    os.kill(os.getpid(), signal.SIGTERM)  # within that notice's grace period: held
+    return got, noticed
 
 
 def test_without_an_armed_guard_sigterm_reaches_the_previous_handler():
-    assert _spawn.run(_unarmed_passes_sigterm_on, 1) == [["ray's handler", "ray's handler"]]
+    assert _spawn.run(_unarmed_passes_sigterm_on, 1) == [(["ray's handler", "ray's handler"], True)]
 
 
 def test_a_worker_still_alive_after_the_grace_period_exits_itself():
