@@ -54,7 +54,8 @@ from typing import Callable, Iterable, Mapping, Optional, TextIO
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
-from ray_train_tpu.topology import Generation, Topology, get_generation
+from ray_train_tpu._host import describe_holder, lockfile_holder
+from ray_train_tpu.topology import Generation, Topology, get_generation, normalize_pod_type
 
 # Node labels Ray sets on TPU hosts (ray._raylet.RAY_NODE_TPU_*_KEY).
 SLICE_LABEL = C.LABEL_TPU_SLICE_NAME
@@ -123,53 +124,6 @@ def _version(dists: Iterable[str]) -> Optional[str]:
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
-def lockfile_holder(path: str) -> Optional[dict]:
-    """Who holds libtpu's lockfile at `path`: ``{"pid", "name"}`` (either may be
-    None), or None when the file is absent or free. Never blocks (``LOCK_NB``)."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            pid = _lock_owner_pid(fd)
-            return {"pid": pid, "name": _process_name(pid)}
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _lock_owner_pid(fd: int) -> Optional[int]:
-    """The pid of a conflicting POSIX lock (F_GETLK), Linux only; 0 or None if unknown."""
-    import fcntl
-    import struct
-
-    if not sys.platform.startswith("linux"):
-        return None
-    layout = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-    try:
-        answer = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(layout, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
-    except OSError:
-        return None
-    l_type, _, _, _, pid = struct.unpack(layout, answer)
-    return pid if l_type != fcntl.F_UNLCK and pid > 0 else None  # 0: another PID namespace
-
-
-def _process_name(pid: Optional[int]) -> Optional[str]:
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 # --- Pure: nodes and probe answers -> report ------------------------------------------------------
@@ -298,8 +252,7 @@ def check_host(host: Mapping) -> list[dict]:
                                 f"{name}; install it on every TPU host", host=host))
     holder = probe.get("lockfile_holder")
     if holder is not None:
-        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
-        who += f" ({holder['name']})" if holder.get("name") else ""
+        who = describe_holder(holder)
         out.append(_problem("lockfile_held", f"{_name(host)}: libtpu's lockfile {probe['lockfile']} is held by "
                             f"{who}, so torch_tpu cannot open the chips; stop that process", host=host))
     out += _check_resource_per_chip(host, probe)
@@ -329,7 +282,7 @@ def _check_env_labels(host: Mapping, probe: Mapping) -> list[dict]:
              (C.TPU_TOPOLOGY, TOPOLOGY_LABEL, (env.get(C.TPU_TOPOLOGY) or "").strip().lower() or None),
              # Ray's pod type is TPU_ACCELERATOR_TYPE without a "tpu-" prefix, lower case.
              (C.TPU_ACCELERATOR_TYPE, POD_TYPE_LABEL,
-              re.sub(r"^tpu-?v?", "v", (env.get(C.TPU_ACCELERATOR_TYPE) or "").strip().lower()) or None)]
+              normalize_pod_type(env.get(C.TPU_ACCELERATOR_TYPE) or "") or None)]
     diffs = [f"{var}={env.get(var)!r} but {label}={labels[label]!r}"
              for var, label, value in pairs if value is not None and label in labels and labels[label] != value]
     if not diffs:

@@ -46,8 +46,8 @@ from typing import Callable, Optional, TextIO
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Topology
 
-DEFAULT_RAY_VERSION = "2.60.0"
-DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"  # placeholder: no torch, torch-tpu, ray_train_tpu
+DEFAULT_RAY_VERSION = C.RAY_VERSION
+DEFAULT_IMAGE = C.RAY_IMAGE  # placeholder: no torch, torch-tpu, ray_train_tpu
 KINDS = ("RayCluster", "RayJob")
 FORMATS = ("yaml", "json")
 
@@ -63,7 +63,8 @@ _MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 _HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
-_HEAD_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001))
+_HEAD_PORTS = (("gcs", C.DEFAULT_RAY_GCS_PORT), ("dashboard", C.DEFAULT_RAY_DASHBOARD_PORT),
+               ("client", C.DEFAULT_RAY_CLIENT_PORT))
 
 
 def build_manifest(

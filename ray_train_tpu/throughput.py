@@ -27,14 +27,13 @@ from ray_train_tpu.device import is_simulated
 def peak_flops_per_device(accelerator_type: Optional[str]) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one device of `accelerator_type` (``"TPU-V6E"``
     or a pod type such as ``"v6e-16"``), or None when unknown."""
-    from ray_train_tpu.topology import get_generation
+    from ray_train_tpu.topology import generation_of
 
     if not accelerator_type:
         return None
-    name = accelerator_type.rsplit("-", 1)[0] if accelerator_type[-1].isdigit() else accelerator_type
     try:
-        return get_generation(name).peak_bf16_flops_per_device
-    except ValueError:
+        return generation_of(accelerator_type).peak_bf16_flops_per_device
+    except (TypeError, ValueError):
         return None
 
 

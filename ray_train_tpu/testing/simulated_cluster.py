@@ -36,11 +36,7 @@ HEAD_IP = "127.0.0.100"
 _OBJECT_STORE_BYTES = 80 * 2**20
 
 # What every process of a simulated cluster carries, driver included.
-SIMULATION_ENV = {
-    C.RAY_TRAIN_TPU_SIMULATE: "1",
-    C.TPU_SKIP_MDS_QUERY: "1",
-    C.TORCH_DEVICE_BACKEND_AUTOLOAD: "0",
-}
+SIMULATION_ENV = C.SIMULATION_ENV
 
 HostKey = tuple[int, int]  # (slice id, TPU worker id)
 
@@ -224,7 +220,7 @@ def simulated_tpu_cluster(
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_train_tpu import _ray_adapter
+    from ray_train_tpu._compat import ray_train as compat_ray
 
     topo = Topology.parse(topology, accelerator_type)
     if not isinstance(num_slices, int) or num_slices < 1:
@@ -245,7 +241,7 @@ def simulated_tpu_cluster(
             "call ray.shutdown() first"
         )
     _environ.update(driver_env)
-    undo_metadata_guard = _ray_adapter.forbid_metadata_server()
+    undo_metadata_guard = compat_ray.forbid_metadata_server()
     cluster = None
     try:
         cluster = Cluster(

@@ -146,7 +146,7 @@ def test_two_chips_per_worker_is_refused_before_training(sim, tmp_path):
 
 def _assert_released(timeout_s=30):
     """No Train worker alive, no placement group held."""
-    from ray_train_tpu._ray_adapter import alive_actors
+    from ray_train_tpu.testing import alive_actors
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import ray
 
-from ray_train_tpu import _ray_adapter
+from ray_train_tpu.testing import alive_actors
 from ray_train_tpu.launch_env import launch_env
 from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
@@ -246,7 +246,7 @@ def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     while time.monotonic() < deadline:
         live_pgs = [pg for pg in _pgs() if pg["state"] != "REMOVED"]
         # Ray Serve LLM's usage-telemetry actor is detached (Ray's design, holds nothing).
-        actors = [a for a in _ray_adapter.alive_actors() if a["class_name"] != TELEMETRY_ACTOR_CLASS]
+        actors = [a for a in alive_actors() if a["class_name"] != TELEMETRY_ACTOR_CLASS]
         if not live_pgs and not actors:
             break
         time.sleep(1)

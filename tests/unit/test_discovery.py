@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_train_tpu.launch_env import launch_envs
-from ray_train_tpu.layout import LayoutError, WorkerInfo, layout
+from ray_train_tpu.discovery import LayoutError, WorkerInfo, layout
 from ray_train_tpu.topology import Topology
 
 
