@@ -16,7 +16,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig, setup_process_group, shutdown_process_group
-from ray_train_tpu.launch_env import ENV_KEYS, build_plan
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
 

@@ -15,7 +15,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
-from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS, build_plan
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS
 from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
 

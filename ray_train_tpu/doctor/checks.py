@@ -1,60 +1,13 @@
-"""``python -m ray_train_tpu doctor``: a running Ray cluster's TPU slices, and what is wrong with them.
-
-It reads every alive node from ``ray.nodes()`` (resources and the labels Ray's
-TPU scheduling uses), runs a tiny task pinned to each TPU host (no CPU, no TPU,
-never imports torch or torch_tpu), and reports slices, hosts and problems as a
-table or as JSON. Exit status: 0 healthy, 1 a problem found, 2 bad input or no
-cluster to talk to.
-
-Checks (the ``check`` field of each problem):
-
-- ``no_tpu_hosts``: no alive node has a TPU resource or a ``ray.io/tpu-*`` label.
-- ``missing_label``, ``bad_worker_id``: a TPU host lacks one of Ray's TPU labels,
-  or ``ray.io/tpu-worker-id`` is not a non-negative integer.
-- ``inconsistent_labels``: hosts of one slice disagree on topology, pod type or generation.
-- ``bad_topology``: ``ray.io/tpu-topology`` is not a slice of that generation.
-- ``pod_type_mismatch``: ``ray.io/tpu-pod-type`` is not the topology's (``2x2x2`` is ``v4-16``).
-- ``missing_host``, ``duplicate_worker_id``, ``unexpected_worker_id``: a slice's
-  worker ids are not exactly 0..hosts-1 of its topology.
-- ``missing_head_resource``, ``misplaced_head_resource``: worker 0 lacks
-  ``TPU-<pod type>-head`` (Ray reserves a slice through it), or another host has it.
-- ``chip_count_mismatch``: hosts of one slice have different chip counts.
-- ``topology_chips_mismatch``: a host's chips are not the topology's chips per
-  host (hosts x chips per host must make the slice).
-- ``resource_per_chip``: ``RAY_TPU_RESOURCE_PER_CHIP`` is not the TorchTPU
-  devices per chip (2 on v7x, unset or 1 elsewhere).
-- ``torch_tpu_missing``, ``libtpu_missing``: the package cannot be found on the host.
-- ``lockfile_held``: a process holds libtpu's lockfile, so torch_tpu cannot open the chips.
-- ``env_label_mismatch``: a host's ``TPU_*`` variables disagree with its labels
-  (labels set by hand override what Ray derives from them).
-- ``version_mismatch``: TPU hosts have different torch_tpu or libtpu versions.
-- ``host_check_timeout``, ``host_check_failed``: a host's check did not answer in
-  time (``--timeout``) or raised.
-
-Example:
-    >>> nodes = [{"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.2",
-    ...           "Resources": {"TPU": 4.0, "TPU-v4-8-head": 1.0},
-    ...           "Labels": {"ray.io/tpu-slice-name": "s", "ray.io/tpu-worker-id": "0",
-    ...                      "ray.io/tpu-pod-type": "v4-8", "ray.io/tpu-topology": "2x2x1",
-    ...                      "ray.io/accelerator-type": "TPU-V4"}}]
-    >>> diagnose(nodes)["healthy"]
-    True
-"""
+"""Pure: ``ray.nodes()`` and the hosts' probe answers -> the doctor's report. No Ray, no I/O."""
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import logging
-import os
-import re
-import sys
-from typing import Callable, Iterable, Mapping, Optional, TextIO
+from typing import Iterable, Mapping, Optional
 
-from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
-from ray_train_tpu._host import describe_holder, lockfile_holder
+from ray_train_tpu._host import describe_holder
+from ray_train_tpu.doctor.probe import PACKAGES
 from ray_train_tpu.topology import Generation, Topology, get_generation, normalize_pod_type
 
 # Node labels Ray sets on TPU hosts (ray._raylet.RAY_NODE_TPU_*_KEY).
@@ -64,69 +17,6 @@ POD_TYPE_LABEL = C.LABEL_TPU_POD_TYPE
 TOPOLOGY_LABEL = C.LABEL_TPU_TOPOLOGY
 ACCELERATOR_LABEL = C.LABEL_ACCELERATOR_TYPE
 TPU_LABELS = (SLICE_LABEL, WORKER_ID_LABEL, POD_TYPE_LABEL, TOPOLOGY_LABEL, ACCELERATOR_LABEL)
-
-# Where Ray looks for a cluster when no address is given.
-RAY_ADDRESS = C.RAY_ADDRESS
-
-# Testing knobs, honoured on simulated hosts only (RAY_TRAIN_TPU_SIMULATE=1),
-# whose hosts share one /tmp and one Python environment:
-# a path that stands in for /tmp/libtpu_lockfile on this host, and
-# comma-separated packages (torch_tpu, libtpu) the check treats as absent.
-SIMULATE_LIBTPU_LOCKFILE = C.RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE
-SIMULATE_MISSING_MODULES = C.RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES
-
-DEFAULT_TIMEOUT_S = 30.0
-_CONNECT_TIMEOUT_S = 5.0
-FORMATS = ("table", "json")
-
-# Packages a TPU host needs: import name -> distribution names that provide it.
-_PACKAGES = {"torch_tpu": ("torch-tpu", "torch_tpu"), "libtpu": ("libtpu", "libtpu-nightly")}
-_PROBE_ENV = (C.TPU_NAME, C.TPU_WORKER_ID, C.TPU_ACCELERATOR_TYPE, C.TPU_TOPOLOGY, C.RAY_TPU_RESOURCE_PER_CHIP)
-
-
-# --- Runs on each TPU host ------------------------------------------------------------------------
-
-
-def probe_host(lockfile: str = C.LIBTPU_LOCKFILE) -> dict:
-    """What torch_tpu needs on this host: its packages, a free libtpu lockfile, the ``TPU_*`` env.
-
-    Runs in a Ray task on each TPU host. It finds packages with
-    ``importlib.util.find_spec`` and never imports torch or torch_tpu (that
-    would initialise libtpu and take the chips).
-    """
-    import importlib.util
-
-    hidden: set[str] = set()
-    if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
-        lockfile = _environ.get(SIMULATE_LIBTPU_LOCKFILE) or lockfile
-        hidden = {m.strip() for m in (_environ.get(SIMULATE_MISSING_MODULES) or "").split(",") if m.strip()}
-    packages = {}
-    for name, dists in _PACKAGES.items():
-        try:
-            found = name not in hidden and importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        packages[name] = {"found": found, "version": _version(dists) if found else None}
-    return {
-        "packages": packages,
-        "lockfile": lockfile,
-        "lockfile_holder": lockfile_holder(lockfile),
-        "env": _environ.snapshot(_PROBE_ENV),
-    }
-
-
-def _version(dists: Iterable[str]) -> Optional[str]:
-    from importlib import metadata
-
-    for dist in dists:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-# --- Pure: nodes and probe answers -> report ------------------------------------------------------
 
 
 def tpu_hosts(nodes: Iterable[Mapping]) -> list[dict]:
@@ -385,7 +275,7 @@ def _check_chips(name: str, hosts: list[dict], topology: Optional[Topology]) -> 
 def check_versions(hosts: list[dict]) -> list[dict]:
     """All TPU hosts should run the same torch_tpu and libtpu."""
     out = []
-    for name in _PACKAGES:
+    for name in PACKAGES:
         versions = collections.defaultdict(list)
         for host in hosts:
             probe = _probe_ok(host)
@@ -396,157 +286,3 @@ def check_versions(hosts: list[dict]) -> list[dict]:
             detail = "; ".join(f"{v} on {', '.join(ips)}" for v, ips in sorted(versions.items()))
             out.append(_problem("version_mismatch", f"TPU hosts run different {name} versions: {detail}"))
     return out
-
-
-# --- Talking to the cluster -----------------------------------------------------------------------
-
-_ADDRESS = re.compile(r"(?P<scheme>ray://)?(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})")
-
-
-def resolve_address(address: Optional[str]) -> str:
-    """``--address``, else ``$RAY_ADDRESS``, else ``"auto"``; checked for form."""
-    value = address if address is not None else (_environ.get(RAY_ADDRESS) or "auto")
-    value = value.strip()
-    m = _ADDRESS.fullmatch(value)
-    if value != "auto" and not (m and 0 < int(m["port"]) < 65536):
-        source = "--address" if address is not None else f"${RAY_ADDRESS}"
-        raise ValueError(f"{source} {value!r} is not a Ray cluster address; expected host:port (the GCS, "
-                         "e.g. 10.0.0.2:6379), ray://host:port, or auto")
-    return value
-
-
-def connect(address: str) -> None:
-    """``ray.init`` a driver, failing fast (ValueError) when nothing listens at `address`."""
-    import socket
-
-    import ray
-
-    m = _ADDRESS.fullmatch(address)
-    if m:  # Ray itself retries a dead address for minutes
-        try:
-            socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=_CONNECT_TIMEOUT_S).close()
-        except OSError as e:
-            raise ValueError(f"cannot connect to Ray at {address}: {e.strerror or e}; is the cluster up?") from None
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-    except Exception as e:  # ConnectionError, RuntimeError, ...: one line for the CLI
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot connect to Ray at {address}: {first}") from None
-
-
-def probe_hosts(hosts: list[dict], timeout_s: float) -> dict[str, dict]:
-    """Run `probe_host` on every host at once, each pinned to its node; answers by node id.
-    A host that does not answer within `timeout_s` gets ``{"error", "timed_out": True}``."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    task = ray.remote(num_cpus=0, max_retries=0)(probe_host)
-    refs = {
-        task.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(h["node_id"], soft=False),
-            name=f"ray_train_tpu.doctor {h['ip']}",
-        ).remote(): h["node_id"]
-        for h in hosts
-    }
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-    answers = {}
-    for ref in ready:
-        try:
-            answers[refs[ref]] = ray.get(ref)
-        except Exception as e:  # the task raised, or its worker died
-            lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            answers[refs[ref]] = {"error": f"failed: {lines[-1].strip() if lines else type(e).__name__}",
-                                  "timed_out": False}
-    for ref in pending:
-        answers[refs[ref]] = {"error": f"did not answer within {timeout_s:g} s", "timed_out": True}
-        try:
-            ray.cancel(ref, force=True)
-        except Exception:  # best effort; ray.shutdown follows
-            pass
-    return answers
-
-
-def run_doctor(address: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Connect (unless this process already is), check every TPU host, return `diagnose`'s report."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout {timeout_s!r} must be a positive number of seconds")
-    owns = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-    if owns:
-        address = resolve_address(address)  # before importing Ray: bad input fails fast
-        connect(address)
-    import ray
-
-    try:
-        nodes = ray.nodes()
-        report = diagnose(nodes, probe_hosts(tpu_hosts(nodes), timeout_s))
-    finally:
-        if owns:
-            ray.shutdown()
-    return {"address": address, **report}
-
-
-# --- CLI ------------------------------------------------------------------------------------------
-
-
-def format_report_table(report: Mapping) -> str:
-    """The report for people: slices, hosts, then problems."""
-    hosts, slices, problems = report["hosts"], report["slices"], report["problems"]
-    lines = [f"Ray cluster {report.get('address') or ''}: {report['num_nodes']} node(s), "
-             f"{len(hosts)} TPU host(s) in {len(slices)} slice(s)", ""]
-    if slices:
-        lines += _table(["slice", "accelerator", "topology", "pod type", "hosts", "worker ids"], [
-            [s["name"], s["accelerator_type"], s["topology"], s["pod_type"],
-             f"{s['num_hosts']}/{s['num_hosts_expected'] if s['num_hosts_expected'] is not None else '?'}",
-             ",".join(map(str, s["worker_ids"]))] for s in slices]) + [""]
-    if hosts:
-        lines += _table(["host", "slice", "worker", "chips", "TPU", "head", "pod type", "topology",
-                         "torch_tpu", "libtpu", "lockfile"], [_host_row(h) for h in hosts]) + [""]
-    if problems:
-        lines.append(f"{len(problems)} problem(s):")
-        lines += [f"  {p['check']}: {p['message']}" for p in problems]
-    else:
-        lines.append("healthy: no problems found")
-    return "\n".join(lines) + "\n"
-
-
-def _host_row(host: Mapping) -> list:
-    labels, probe = host["labels"], host.get("probe")
-    row = [host["ip"], host["slice"], labels.get(WORKER_ID_LABEL), host["chips"], host["tpu_resources"],
-           "yes" if host["head_resources"] else "-", labels.get(POD_TYPE_LABEL), labels.get(TOPOLOGY_LABEL)]
-    if probe is None or "error" in probe:
-        status = "timeout" if probe and probe.get("timed_out") else ("failed" if probe else "not checked")
-        return row + [status, status, status]
-    for name in _PACKAGES:
-        found = probe["packages"][name]
-        row.append((found["version"] or "found") if found["found"] else "MISSING")
-    holder = probe.get("lockfile_holder")
-    row.append("free" if holder is None else f"HELD by {holder.get('pid') or '?'}")
-    return row
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    cells = [[str(c) if c is not None else "-" for c in row] for row in [header] + rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-
-
-def _doctor(args: argparse.Namespace, out: TextIO) -> int:
-    report = run_doctor(args.address, args.timeout)
-    if args.format == "json":
-        json.dump(report, out, indent=1)
-        out.write("\n")
-    else:
-        out.write(format_report_table(report))
-    return 0 if report["healthy"] else 1
-
-
-def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``doctor`` to ``python -m ray_train_tpu``."""
-    p = subparsers.add_parser("doctor", help="check a running Ray cluster's TPU slices and hosts; "
-                              "exit 0 healthy, 1 problems, 2 cannot connect")
-    p.add_argument("--address", help=f"Ray cluster: host:port of the GCS, ray://host:port, or auto "
-                   f"(default ${RAY_ADDRESS}, else auto)")
-    p.add_argument("--format", choices=FORMATS, default="table")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds to wait for the hosts' checks (default {DEFAULT_TIMEOUT_S:g})")
-    p.set_defaults(func=_doctor)
