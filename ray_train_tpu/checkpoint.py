@@ -233,8 +233,9 @@ def _dcp_state(model_sd: dict, optim_sd: Optional[dict], lr_scheduler) -> dict:
 
 
 def _check_save_args(step, extra) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"save(step={step!r}) must be an integer >= 0")
+    from ray_train_tpu import _validate as V
+
+    V.check_int("save", "step", step, min=0, fix="pass the training step, e.g. step=100")
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as e:

@@ -14,9 +14,12 @@ from typing import Any, Optional
 
 from ray.train.torch import TorchConfig
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu._backend import _TPUTorchBackend
-from ray_train_tpu.topology import Topology
+from ray_train_tpu.topology import MAX_DEVICES_PER_HOST, Topology
+
+BACKENDS = ("auto", "tpu_dist", "gloo", "nccl")
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +79,18 @@ class TPUTorchConfig(TorchConfig):
                 f"TPUTorchConfig(init_method={self.init_method!r}) is not supported: "
                 "TorchTPU rendezvous uses environment variables; use 'env'"
             )
+        V.check_choice("TPUTorchConfig", "backend", self.backend, BACKENDS,
+                       fix="leave backend='auto' (tpu_dist on TPUs, gloo in simulation, nccl on GPUs)")
         for field in ("timeout_s", "rendezvous_timeout_s"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TPUTorchConfig({field}={value!r}) must be a positive number of seconds")
-        for field in ("base_port", "master_port", "megascale_port"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65000):
-                raise ValueError(f"TPUTorchConfig({field}={value!r}) must be a port number in 1..65000")
-        if not isinstance(self.extra_env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.extra_env.items()
-        ):
-            raise TypeError(
-                f"TPUTorchConfig(extra_env={self.extra_env!r}) must be a dict of str to str"
-            )
+            V.check_seconds("TPUTorchConfig", field, getattr(self, field))
+        # Slice-builder and MegaScale ports count up from the base, one per device of a host.
+        V.check_port("TPUTorchConfig", "base_port", self.base_port, span=MAX_DEVICES_PER_HOST)
+        V.check_port("TPUTorchConfig", "megascale_port", self.megascale_port, span=MAX_DEVICES_PER_HOST)
+        if self.master_port is not None:
+            V.check_port("TPUTorchConfig", "master_port", self.master_port)
+        self.extra_env = V.check_env("TPUTorchConfig", "extra_env", self.extra_env)
+        if self.num_slices is not None:
+            V.check_num_slices("TPUTorchConfig", self.num_slices)
         if (self.topology is None) != (self.accelerator_type is None):
             raise ValueError(
                 "TPUTorchConfig needs both topology and accelerator_type, or neither "

@@ -42,6 +42,7 @@ import json
 import re
 from typing import Optional
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Topology
 
@@ -113,8 +114,7 @@ def _check_inputs(topology, num_slices, kind, image, entrypoint) -> None:
             f"topology must be a Topology, got {type(topology).__name__} {topology!r}; "
             f"use Topology.parse('4x4', 'TPU-V6E')"
         )
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices {num_slices!r} must be an integer of at least 1; pass --num-slices 1 or more")
+    V.check_num_slices("", num_slices, fix=f"{V.MAX_NUM_SLICES_WHY}; pass --num-slices 1 or more")
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not a KubeRay kind this command writes; valid: {', '.join(KINDS)}")
     if not isinstance(image, str) or not image or any(c.isspace() for c in image):

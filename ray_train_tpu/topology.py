@@ -163,6 +163,13 @@ _ALIASES = {
 }
 
 
+# TorchTPU devices on the largest host of any generation: ports count up from a
+# base port by one per device of a host.
+MAX_DEVICES_PER_HOST = max(
+    max(g.max_single_host_chips, 4) * g.devices_per_chip for g in GENERATIONS.values()
+)
+
+
 def get_generation(accelerator_type: str) -> Generation:
     """The `Generation` for an accelerator type such as ``"TPU-V6E"`` or ``"v6e"``."""
     if not isinstance(accelerator_type, str):

@@ -125,8 +125,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from ray_train_tpu.cli.plan import build_plan, format_plan_table
     from ray_train_tpu.topology import Topology
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    from ray_train_tpu import _validate as V
+
+    V.check_int("", "--steps", args.steps, min=1, max=100_000, fix="e.g. --steps 12")
     topology = Topology.parse(args.topology, args.accelerator_type)
     out.write(BANNER + "\n\n")
     out.write(format_plan_table(build_plan(topology), max_rows=16))

@@ -17,7 +17,8 @@ import json
 from typing import Sequence, TextIO
 
 from ray_train_tpu import constants as C
-from ray_train_tpu.launch_env import _check_hosts, _check_num_slices, launch_envs, placeholder_hosts
+from ray_train_tpu import _validate as V
+from ray_train_tpu.launch_env import check_hosts, launch_envs, placeholder_hosts
 from ray_train_tpu.topology import Topology
 
 ORDER = 0  # first in the help
@@ -53,10 +54,10 @@ def build_plan(
     Workers are in rank order; each carries its complete `launch_env`. Without
     `hosts`, `placeholder_hosts` stand in for them.
     """
-    _check_num_slices(num_slices)
+    V.check_num_slices("", num_slices)
     if hosts is None:
         hosts = placeholder_hosts(topology, num_slices)
-    _check_hosts(topology, hosts, num_slices)
+    check_hosts(topology, hosts, num_slices)
     envs = launch_envs(
         topology,
         hosts,

@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from ray_train_tpu import _environ
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.doctor.checks import diagnose, tpu_hosts
 from ray_train_tpu.doctor.probe import probe_host
@@ -85,8 +86,7 @@ def probe_hosts(hosts: list[dict], timeout_s: float) -> dict[str, dict]:
 
 def run_doctor(address: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """Connect (unless this process already is), check every TPU host, return `diagnose`'s report."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout {timeout_s!r} must be a positive number of seconds")
+    V.check_seconds("", "timeout", timeout_s, fix="pass e.g. --timeout 30")
     owns = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     if owns:
         address = resolve_address(address)  # before importing Ray: bad input fails fast

@@ -28,6 +28,7 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, Optional
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu.mesh import MeshLayout, build_device_mesh, mesh_layout, mesh_layout_for
 
 if TYPE_CHECKING:
@@ -108,9 +109,8 @@ class Strategy(abc.ABC):
 
 
 def _check_job(topology: Optional["Topology"], num_slices: int, world_size: int) -> None:
-    for field, value in (("num_slices", num_slices), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+    V.check_num_slices("", num_slices)
+    V.check_int("", "world_size", world_size, min=1)
     if topology is not None and world_size != topology.num_devices * num_slices:
         raise ValueError(
             f"world_size {world_size} does not fill num_slices={num_slices} x {topology}: "

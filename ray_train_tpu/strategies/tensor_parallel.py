@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies.base import Strategy, standard_layout, to_device
 
@@ -63,8 +64,8 @@ def check_tp_plan(
 
 
 def check_tp_size(cls: str, tp_size: Optional[int]) -> None:
-    if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1):
-        raise ValueError(f"{cls}(tp_size={tp_size!r}) must be None or an integer >= 1")
+    if tp_size is not None:
+        V.check_int(cls, "tp_size", tp_size, min=1, fix="or None for every device of a host")
 
 
 def apply_tp(
