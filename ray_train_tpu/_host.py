@@ -1,10 +1,18 @@
-"""Facts about this host that need no Ray and no torch: who holds libtpu's lockfile."""
+"""Facts about this host that need no Ray and no torch: a free port, who holds libtpu's lockfile."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Optional
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` (an address of this machine) right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def lockfile_holder(path: str) -> Optional[dict]:

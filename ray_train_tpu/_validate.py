@@ -127,17 +127,6 @@ def check_choice(where: str, field: str, value: Any, choices: Iterable[Any], *, 
     return value
 
 
-def check_str(where: str, field: str, value: Any, *, max_len: int, pattern: Optional[str] = None,
-              what: str = "a non-empty string", fix: Optional[str] = None) -> str:
-    """A non-empty ``str`` of at most `max_len` characters, matching `pattern` if given."""
-    rule = f"{what} of at most {max_len} characters"
-    if not isinstance(value, str):
-        raise fail(where, field, value, rule, fix, error=TypeError)
-    if not value or len(value) > max_len or (pattern is not None and not re.fullmatch(pattern, value)):
-        raise fail(where, field, value, rule, fix)
-    return value
-
-
 def check_env(where: str, field: str, value: Any) -> dict[str, str]:
     """Environment variables: a mapping of valid names (``[A-Za-z_][A-Za-z0-9_]*``)
     to ``str`` values without NUL, as the OS accepts them. Returns a dict copy."""

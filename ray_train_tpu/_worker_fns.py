@@ -8,13 +8,13 @@ seams in `_compat`, the device check and the typed report of `discovery`.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from datetime import timedelta
 from typing import Union
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
+from ray_train_tpu._host import free_port  # noqa: F401  (run in a worker: a port free on its host)
 from ray_train_tpu.discovery import Mode, WorkerReport
 from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS
 
@@ -54,13 +54,6 @@ def _tpu_worker_id(node_ip: str):
             f"{C.TPU_WORKER_ID}={raw!r} on host {node_ip} is not an integer; set it to the "
             "host's index in its slice (0..hosts-1), as GKE's TPU webhook does"
         ) from None
-
-
-def free_port(host: str) -> int:
-    """A port that is free on `host` (this worker's own address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def apply_env(env: dict, mode: Union[Mode, str]) -> None:

@@ -39,11 +39,31 @@ if TYPE_CHECKING:
     from ray_train_tpu.topology import Topology
 
 
+# Every concrete strategy by name, in the order their modules were imported;
+# filled by `Strategy.__init_subclass__`, read by `registry.get_strategy`.
+STRATEGIES: dict[str, type["Strategy"]] = {}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy(abc.ABC):
-    """Base class of the parallelism strategies; see the module docstring."""
+    """Base class of the parallelism strategies; see the module docstring.
+
+    A subclass with a ``name`` registers itself under it, so a new strategy is
+    one new file in `ray_train_tpu.strategies` (every module there is loaded).
+    """
 
     name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in STRATEGIES and STRATEGIES[name].__qualname__ != cls.__qualname__:
+                raise ValueError(
+                    f"strategy name {name!r} of {cls.__qualname__} is taken by "
+                    f"{STRATEGIES[name].__qualname__}; give the new strategy another name"
+                )
+            STRATEGIES[name] = cls
     # Worker-local runtime state, set by `setup`; never compared, printed or pickled.
     _mesh: Optional["DeviceMesh"] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from torch import nn
@@ -68,6 +69,21 @@ def check_tp_size(cls: str, tp_size: Optional[int]) -> None:
         V.check_int(cls, "tp_size", tp_size, min=1, fix="or None for every device of a host")
 
 
+def _plan_key_matches(key: str, name: str) -> bool:
+    """Does plan key `key` (an FQN, or a pattern such as ``layers.*.attention``
+    as ``parallelize_module`` accepts: fnmatch per dot-separated atom) name the
+    submodule `name`?
+
+    Example:
+        >>> _plan_key_matches("layers.*.attention", "layers.3.attention")
+        True
+        >>> _plan_key_matches("layers.*", "layers.3.attention")
+        False
+    """
+    atoms, parts = key.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: "DeviceMesh",
@@ -76,12 +92,14 @@ def apply_tp(
 ) -> nn.Module:
     """``parallelize_module(model, tp_mesh, plan)``, or the user's function."""
     if plan is not None:
-        missing = sorted(set(plan) - {name for name, _ in model.named_modules()})
+        names = [name for name, _ in model.named_modules() if name]
+        missing = sorted(key for key in plan if not any(_plan_key_matches(key, n) for n in names))
         if missing:
             # parallelize_module only warns about these; a typo would leave the layer whole.
             raise ValueError(
                 f"tensor-parallel plan names submodules the model does not have: {missing}; "
-                f"use names from model.named_modules(), e.g. {[n for n, _ in model.named_modules() if n][:6]}"
+                f"use names from model.named_modules() or fnmatch patterns of them such as "
+                f"'layers.*.attention', e.g. {names[:6]}"
             )
         return parallelize_module(model, tp_mesh, dict(plan))
     out = parallelize_fn(model, tp_mesh)

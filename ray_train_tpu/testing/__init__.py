@@ -1,6 +1,9 @@
 """Helpers users may import in their own tests: a simulated TPU cluster, the
-actors still alive on it, and gloo process groups spawned on this machine."""
+actors still alive on it, gloo process groups spawned on this machine
+(`ray_train_tpu.testing.gloo.run`), and a free port."""
 
+from ray_train_tpu._host import free_port
+from ray_train_tpu.testing import gloo
 from ray_train_tpu.testing.cluster_state import alive_actors
 from ray_train_tpu.testing.simulated_cluster import (
     SIMULATION_ENV,
@@ -9,4 +12,5 @@ from ray_train_tpu.testing.simulated_cluster import (
     simulated_tpu_cluster,
 )
 
-__all__ = ["SIMULATION_ENV", "SimulatedTPUCluster", "alive_actors", "host_ip", "simulated_tpu_cluster"]
+__all__ = ["SIMULATION_ENV", "SimulatedTPUCluster", "alive_actors", "free_port", "gloo", "host_ip",
+           "simulated_tpu_cluster"]

@@ -18,7 +18,6 @@ from ray.train.torch import TorchTrainer
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig, setup_process_group, shutdown_process_group
 from ray_train_tpu.cli.plan import build_plan
 from ray_train_tpu.launch_env import ENV_KEYS
-from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
@@ -26,10 +25,7 @@ pytestmark = pytest.mark.distributed
 TOPOLOGY, ACCEL = "2x2x2", "TPU-V4"
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL, host_order=[1, 0]) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, host_order=[1, 0])
 
 
 def _probe(config):

@@ -38,7 +38,6 @@ from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
 from ray_train_tpu.checkpoint import MANIFEST
 from ray_train_tpu.cli.plan import build_plan
 from ray_train_tpu.launch_env import ENV_KEYS
-from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
@@ -50,10 +49,7 @@ STEPS, FAIL_AFTER = 6, 3  # 2 batches per rank and epoch
 PG_TIMEOUT_S = 1800
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL, num_slices=SLICES) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, num_slices=SLICES)
 
 
 def _build(strategy, rank):

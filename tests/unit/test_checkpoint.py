@@ -1,6 +1,6 @@
 """ray_train_tpu.checkpoint: exact round trips, resharding, and refusing bad checkpoints.
 
-Multi-rank cases run as 2 gloo processes (tests/unit/_spawn.py); a failed
+Multi-rank cases run as 2 gloo processes (ray_train_tpu.testing.gloo); a failed
 assertion in either fails the test with that process's traceback.
 """
 
@@ -9,7 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
-import _spawn
+from ray_train_tpu.testing import gloo as _spawn
 import pytest
 import torch
 import torch.distributed as dist
