@@ -82,14 +82,14 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
                 f"TPUTorchConfig(num_slices={backend_config.num_slices}) but the workers "
                 f"span {num_slices} slice(s); size the job with TPUScalingConfig(num_slices=...)"
             )
-        plan = _layout(reports, topology, num_slices)
-        envs = self._worker_envs(worker_group, reports, plan, topology, num_slices, backend_config, mode)
+        placement = _layout(reports, topology, num_slices)
+        envs = self._worker_envs(worker_group, reports, placement, topology, num_slices, backend_config, mode)
         ray.get([
             worker_group.execute_single_async(i, _worker_fns.apply_env, env=env, mode=mode)
             for i, env in enumerate(envs)
         ])
         backend = _choose_backend(backend_config.backend, mode)
-        self._rendezvous(worker_group, backend, backend_config, plan)
+        self._rendezvous(worker_group, backend, backend_config, placement)
         worker_group.execute(
             set_worker_context,
             strategy=backend_config.strategy,
@@ -108,17 +108,17 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         topology = _resolve_topology(reports, cfg)
         return layout(_infos(reports), topology, len({r.slice_name for r in reports})).index_of_rank()
 
-    def _worker_envs(self, worker_group, reports, plan: Layout, topology, num_slices, cfg, mode):
+    def _worker_envs(self, worker_group, reports, placement: Layout, topology, num_slices, cfg, mode):
         master_port = cfg.master_port
         if master_port is None:
             master_port = (
-                worker_group.execute_single(0, _worker_fns.free_port, host=plan.hosts[0])
+                worker_group.execute_single(0, _worker_fns.free_port, host=placement.hosts[0])
                 if mode is Mode.SIMULATE
                 else C.DEFAULT_MASTER_PORT
             )
         computed = launch_envs(
             topology,
-            plan.hosts,
+            placement.hosts,
             num_slices=num_slices,
             xprof_session_id=str(time.time_ns()),
             base_port=cfg.base_port,
@@ -132,13 +132,13 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             for (_, env), report in zip(computed, reports)
         ]
 
-    def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, plan: Layout):
+    def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, placement: Layout):
         """Roll call, then the process group, each bounded by rendezvous_timeout_s,
         so a host that never joins fails the attempt naming its ranks."""
         world_size = len(worker_group)
         try:
             calls = [worker_group.execute_single_async(i, _worker_fns.arrive) for i in range(world_size)]
-            _wait_all(calls, cfg, plan, backend, "answer the roll call before the rendezvous")
+            _wait_all(calls, cfg, placement, backend, "answer the roll call before the rendezvous")
             calls = [
                 worker_group.execute_single_async(
                     i, _worker_fns.join_process_group, backend=backend, world_rank=i, world_size=world_size,
@@ -146,7 +146,7 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
                 )
                 for i in range(world_size)
             ]
-            _wait_all(calls, cfg, plan, backend, f"join the {backend} process group")
+            _wait_all(calls, cfg, placement, backend, f"join the {backend} process group")
         except _RendezvousTimeout as e:
             self._busy_ranks = frozenset(e.ranks)
             raise
@@ -166,17 +166,17 @@ class _RendezvousTimeout(TimeoutError):
         self.ranks = ranks
 
 
-def _wait_all(calls: list, cfg: TPUTorchConfig, plan: Layout, backend: str, what: str) -> None:
+def _wait_all(calls: list, cfg: TPUTorchConfig, placement: Layout, backend: str, what: str) -> None:
     done, pending = ray.wait(calls, num_returns=len(calls), timeout=cfg.rendezvous_timeout_s)
     ray.get(done)  # a worker that failed raises its own error here
     if pending:
         missing = [calls.index(c) for c in pending]
-        hosts = sorted({plan.hosts[_node_rank(r, plan)] for r in missing})
+        hosts = sorted({placement.hosts[_node_rank(r, placement)] for r in missing})
         raise _RendezvousTimeout(
             f"ray_train_tpu: {len(missing)} of {len(calls)} workers did not {what} within "
             f"rendezvous_timeout_s={cfg.rendezvous_timeout_s:g}: ranks {_ranges(missing)} on "
             f"host(s) {', '.join(hosts)}. Check that those hosts are up and reachable "
-            f"(MASTER_ADDR={plan.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)",
+            f"(MASTER_ADDR={placement.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)",
             missing,
         )
 
@@ -227,16 +227,16 @@ def _infos(reports: list[WorkerReport]) -> list:
 
 
 def _layout(reports, topology: Topology, num_slices: int) -> Layout:
-    plan = layout(_infos(reports), topology, num_slices)
-    wrong = [i for i, rank in enumerate(plan.ranks) if rank != i]
+    placement = layout(_infos(reports), topology, num_slices)
+    wrong = [i for i, rank in enumerate(placement.ranks) if rank != i]
     if wrong:
         raise RuntimeError(
             "ray_train_tpu: Ray ranked TPU workers differently from their TPU worker "
             f"ids and chips (workers {wrong[:8]} would get ranks "
-            f"{[plan.ranks[i] for i in wrong[:8]]}); the worker-order adapter is "
+            f"{[placement.ranks[i] for i in wrong[:8]]}); the worker-order adapter is "
             f"tested with Ray {compat_ray.TESTED_RAY_VERSION}, found {ray.__version__}"
         )
-    return plan
+    return placement
 
 
 def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
@@ -256,8 +256,8 @@ def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
     return env
 
 
-def _node_rank(rank: int, plan: Layout) -> int:
-    per_host = len(plan.ranks) // len(plan.hosts)
+def _node_rank(rank: int, placement: Layout) -> int:
+    per_host = len(placement.ranks) // len(placement.hosts)
     return rank // per_host
 
 
