@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import environment, write  # noqa: E402
-from ray_train_tpu.launch_env import build_plan  # noqa: E402
+from ray_train_tpu.cli.plan import build_plan  # noqa: E402
 from ray_train_tpu.topology import Topology  # noqa: E402
 
 CASES = [

@@ -41,9 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 from benchmarks import step_overhead  # noqa: E402
 from ray.train.torch import TorchConfig  # noqa: E402
-from ray.train.torch.config import _TorchBackend  # noqa: E402
 
-from ray_train_tpu.config import TPUTorchConfig, _TPUTorchBackend  # noqa: E402
+from ray_train_tpu._backend import _TPUTorchBackend  # noqa: E402
+from ray_train_tpu._compat.ray_train import RayTorchBackend as _TorchBackend  # noqa: E402
+from ray_train_tpu.config import TPUTorchConfig  # noqa: E402
 
 NAME = "startup"
 TARGET = 1.1

@@ -26,13 +26,10 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import ray
 
-from ray_train_tpu import _worker
-from ray_train_tpu.config import TPUTorchConfig, _TPUTorchBackend
-
-
-def _call(actor, fn: Callable, *args, **kwargs):
-    # __ray_call__ runs fn(actor_instance, ...) inside any actor's process.
-    return actor.__ray_call__.remote(lambda _self, *a, **k: fn(*a, **k), *args, **kwargs)
+from ray_train_tpu import _worker_fns
+from ray_train_tpu._backend import _TPUTorchBackend
+from ray_train_tpu._compat.ray_train import call_in_actor as _call
+from ray_train_tpu.config import TPUTorchConfig
 
 
 class _ActorGroup:
@@ -65,7 +62,7 @@ def setup_process_group(actors: Sequence[Any], config: Optional[TPUTorchConfig] 
         returned list is ``torch.distributed`` rank *i*.
     """
     config = config or TPUTorchConfig()
-    reports = ray.get([_call(a, _worker.report) for a in actors])
+    reports = ray.get([_call(a, _worker_fns.report) for a in actors])
     backend = _TPUTorchBackend()
     ranks = backend.rank_order(reports, config)
     ordered = [actors[i] for i in ranks]

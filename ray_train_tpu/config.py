@@ -1,52 +1,27 @@
-"""`TPUTorchConfig`: the Ray Train backend that sets up torch.distributed on TPU slices.
+"""`TPUTorchConfig`: the Ray Train backend config that sets up torch.distributed on TPU slices.
 
-``on_start`` asks every worker where it is (host, slice, TPU worker id, chip),
-checks that the workers form whole slices with one device each
-(`ray_train_tpu.layout`), computes every worker's environment with
-`ray_train_tpu.launch_env` (the same function ``plan`` prints), sets it in each
-worker before torch_tpu reads it, and builds the process group:
-
-- ``tpu_dist`` on real TPUs, after checking that torch_tpu registered a
-  ``"tpu"`` device and the ``tpu_dist`` backend (never a silent CPU fallback);
-- ``gloo`` on CPU only in explicit simulation (``RAY_TRAIN_TPU_SIMULATE=1`` in
-  the workers' environment, as `ray_train_tpu.testing.simulated_tpu_cluster`
-  sets it);
-- ``nccl`` (or gloo) through Ray's own TorchConfig backend when the workers
-  hold GPUs (or nothing) instead of TPUs.
-
-torch_tpu reads its variables lazily, on first device or process-group use,
-and only once (``GetEnvOnce``); importing it reads none of them
-(tests/unit/test_torch_tpu_env_timing.py). ``on_start`` runs before the
-training function, so the environment is complete before anything reads it.
+Its backend (`ray_train_tpu._backend`) runs in Ray Train's controller: it ranks
+the workers by slice, host and chip, gives each its TorchTPU environment
+(`ray_train_tpu.launch_env`) and builds the process group (``tpu_dist`` on TPUs,
+gloo on an explicitly simulated slice, Ray's own backend on GPUs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Optional
 
-import ray
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _TorchBackend
 
-from ray_train_tpu import _ray_adapter
-from ray_train_tpu import _worker
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
-from ray_train_tpu import preemption
-from ray_train_tpu.launch_env import apply_preset, launch_envs
-from ray_train_tpu.layout import Layout, WorkerInfo, layout
-from ray_train_tpu.topology import Topology, get_generation
+from ray_train_tpu._backend import _TPUTorchBackend
+from ray_train_tpu.topology import MAX_DEVICES_PER_HOST, Topology
+
+BACKENDS = ("auto", "tpu_dist", "gloo", "nccl")
 
 logger = logging.getLogger(__name__)
-
-# Ray computes these ranks too; ours must agree, so a preset value never wins.
-_RANK_KEYS = (C.RANK, C.WORLD_SIZE, C.LOCAL_RANK, C.LOCAL_WORLD_SIZE, C.NODE_RANK, C.NNODES, C.TPU_VISIBLE_CHIPS)
-
-# The controller imports this module when it unpickles a TPUTorchConfig, before
-# it ranks the workers: that is where Ray's TPU worker order must be fixed.
-_ray_adapter.install_tpu_worker_order()
 
 
 @dataclasses.dataclass
@@ -104,20 +79,18 @@ class TPUTorchConfig(TorchConfig):
                 f"TPUTorchConfig(init_method={self.init_method!r}) is not supported: "
                 "TorchTPU rendezvous uses environment variables; use 'env'"
             )
+        V.check_choice("TPUTorchConfig", "backend", self.backend, BACKENDS,
+                       fix="leave backend='auto' (tpu_dist on TPUs, gloo in simulation, nccl on GPUs)")
         for field in ("timeout_s", "rendezvous_timeout_s"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TPUTorchConfig({field}={value!r}) must be a positive number of seconds")
-        for field in ("base_port", "master_port", "megascale_port"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65000):
-                raise ValueError(f"TPUTorchConfig({field}={value!r}) must be a port number in 1..65000")
-        if not isinstance(self.extra_env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.extra_env.items()
-        ):
-            raise TypeError(
-                f"TPUTorchConfig(extra_env={self.extra_env!r}) must be a dict of str to str"
-            )
+            V.check_seconds("TPUTorchConfig", field, getattr(self, field))
+        # Slice-builder and MegaScale ports count up from the base, one per device of a host.
+        V.check_port("TPUTorchConfig", "base_port", self.base_port, span=MAX_DEVICES_PER_HOST)
+        V.check_port("TPUTorchConfig", "megascale_port", self.megascale_port, span=MAX_DEVICES_PER_HOST)
+        if self.master_port is not None:
+            V.check_port("TPUTorchConfig", "master_port", self.master_port)
+        self.extra_env = V.check_env("TPUTorchConfig", "extra_env", self.extra_env)
+        if self.num_slices is not None:
+            V.check_num_slices("TPUTorchConfig", self.num_slices)
         if (self.topology is None) != (self.accelerator_type is None):
             raise ValueError(
                 "TPUTorchConfig needs both topology and accelerator_type, or neither "
@@ -138,262 +111,3 @@ class TPUTorchConfig(TorchConfig):
         return out
 
 
-class _TPUTorchBackend(_TorchBackend):
-    share_cuda_visible_devices: bool = True
-    # Ranks still busy in a roll call or rendezvous that timed out: shutdown must
-    # not queue a call behind them (a stalled host would hold it to its timeout).
-    _busy_ranks: frozenset = frozenset()
-
-    def on_start(self, worker_group, backend_config: TPUTorchConfig):
-        try:
-            self._start(worker_group, backend_config)
-        except BaseException:
-            _ray_adapter.release_failed_worker_group(worker_group)
-            raise
-
-    def _start(self, worker_group, backend_config: TPUTorchConfig):
-        reports = worker_group.execute(_worker.report)
-        # On the workers' main threads (the training function runs in another one),
-        # for checkpoint.PreemptionGuard; dormant until a guard is armed.
-        worker_group.execute(preemption.install_handler)
-        _fill_node_tpus(reports)
-        if not any(r["tpu_ids"] for r in reports):
-            # No TPUs: GPUs or CPUs, exactly as Ray's own TorchConfig does it.
-            logger.info("ray_train_tpu: workers hold no TPU; using Ray's TorchConfig backend")
-            ray_config = TorchConfig(
-                backend=None if backend_config.backend == "auto" else backend_config.backend,
-                init_method="env",
-                timeout_s=backend_config.timeout_s,
-            )
-            return super().on_start(worker_group, ray_config)
-        mode = _mode(reports)
-        topology = _resolve_topology(reports, backend_config)
-        num_slices = len({r["slice_name"] for r in reports})
-        if backend_config.num_slices not in (None, num_slices):
-            raise ValueError(
-                f"TPUTorchConfig(num_slices={backend_config.num_slices}) but the workers "
-                f"span {num_slices} slice(s); size the job with TPUScalingConfig(num_slices=...)"
-            )
-        plan = _layout(reports, topology, num_slices)
-        envs = self._worker_envs(worker_group, reports, plan, topology, num_slices, backend_config, mode)
-        ray.get([
-            worker_group.execute_single_async(i, _worker.apply_env, env=env, mode=mode)
-            for i, env in enumerate(envs)
-        ])
-        backend = _choose_backend(backend_config.backend, mode)
-        self._rendezvous(worker_group, backend, backend_config, plan)
-        worker_group.execute(
-            _worker.set_strategy_context,
-            strategy=backend_config.strategy,
-            topology=topology.name,
-            accelerator_type=topology.accelerator_type,
-            num_slices=num_slices,
-        )
-        logger.info(
-            "ray_train_tpu: %s process group of %d workers on %d x %s%s",
-            backend, len(envs), num_slices, topology, " (SIMULATED on CPU)" if mode == "simulate" else "",
-        )
-
-    def rank_order(self, reports: list, cfg: TPUTorchConfig) -> list[int]:
-        """Indices of the reporting workers in rank order (for groups that, unlike
-        Ray Train's, are not ranked already)."""
-        _fill_node_tpus(reports)
-        topology = _resolve_topology(reports, cfg)
-        infos = _infos(reports)
-        return layout(infos, topology, len({r["slice_name"] for r in reports})).index_of_rank()
-
-    def _worker_envs(self, worker_group, reports, plan: Layout, topology, num_slices, cfg, mode):
-        master_port = cfg.master_port
-        if master_port is None:
-            master_port = (
-                worker_group.execute_single(0, _worker.free_port, host=plan.hosts[0])
-                if mode == "simulate"
-                else C.DEFAULT_MASTER_PORT
-            )
-        computed = launch_envs(
-            topology,
-            plan.hosts,
-            num_slices=num_slices,
-            xprof_session_id=str(time.time_ns()),
-            base_port=cfg.base_port,
-            master_port=master_port,
-            megascale_port=cfg.megascale_port,
-        )
-        warned: set[str] = set()
-        # ranks equal worker indices (checked in _layout), so computed[i] is worker i's
-        return [
-            _merge_env(env, report["preset"], cfg.extra_env, warned)
-            for (_, env), report in zip(computed, reports)
-        ]
-
-    def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, plan: Layout):
-        """Roll call, then the process group, each bounded by rendezvous_timeout_s,
-        so a host that never joins fails the attempt naming its ranks."""
-        world_size = len(worker_group)
-        try:
-            calls = [worker_group.execute_single_async(i, _worker.arrive) for i in range(world_size)]
-            _wait_all(calls, cfg, plan, backend, "answer the roll call before the rendezvous")
-            calls = [
-                worker_group.execute_single_async(
-                    i, _worker.join_process_group, backend=backend, world_rank=i, world_size=world_size,
-                    timeout_s=cfg.timeout_s,
-                )
-                for i in range(world_size)
-            ]
-            _wait_all(calls, cfg, plan, backend, f"join the {backend} process group")
-        except _RendezvousTimeout as e:
-            self._busy_ranks = frozenset(e.ranks)
-            raise
-
-    def on_shutdown(self, worker_group, backend_config):
-        ranks = [i for i in range(len(worker_group)) if i not in self._busy_ranks]
-        futures = [worker_group.execute_single_async(i, _worker.leave_process_group) for i in ranks]
-        try:
-            ray.get(futures, timeout=30)
-        except ray.exceptions.GetTimeoutError:
-            logger.warning("ray_train_tpu: process group shutdown timed out after 30 s")
-
-
-class _RendezvousTimeout(TimeoutError):
-    def __init__(self, message: str, ranks: tuple = ()):  # ranks do not survive pickling
-        super().__init__(message)
-        self.ranks = ranks
-
-
-def _wait_all(calls: list, cfg: TPUTorchConfig, plan: Layout, backend: str, what: str) -> None:
-    done, pending = ray.wait(calls, num_returns=len(calls), timeout=cfg.rendezvous_timeout_s)
-    ray.get(done)  # a worker that failed raises its own error here
-    if pending:
-        missing = [calls.index(c) for c in pending]
-        hosts = sorted({plan.hosts[_node_rank(r, plan)] for r in missing})
-        raise _RendezvousTimeout(
-            f"ray_train_tpu: {len(missing)} of {len(calls)} workers did not {what} within "
-            f"rendezvous_timeout_s={cfg.rendezvous_timeout_s:g}: ranks {_ranges(missing)} on "
-            f"host(s) {', '.join(hosts)}. Check that those hosts are up and reachable "
-            f"(MASTER_ADDR={plan.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)",
-            missing,
-        )
-
-
-def _mode(reports) -> str:
-    flags = {r["simulate"] for r in reports}
-    if len(flags) > 1:
-        raise ValueError(
-            f"{C.RAY_TRAIN_TPU_SIMULATE}=1 is set on some workers but not others; a "
-            "slice is either simulated or real: set it on every host or on none"
-        )
-    return "simulate" if flags == {True} else "tpu"
-
-
-def _choose_backend(requested: Optional[str], mode: str) -> str:
-    if mode != "simulate":
-        return "tpu_dist" if requested in (None, "auto") else requested
-    if requested in (None, "auto", "gloo"):
-        return "gloo"
-    if requested == "tpu_dist":
-        # Ray's TorchTrainer asks for tpu_dist whenever use_tpu=True.
-        logger.warning(
-            "ray_train_tpu: SIMULATED slice (%s=1): backend 'tpu_dist' replaced by "
-            "'gloo' on CPU", C.RAY_TRAIN_TPU_SIMULATE,
-        )
-        return "gloo"
-    raise ValueError(
-        f"TPUTorchConfig(backend={requested!r}) cannot run on a simulated slice (CPU "
-        f"tensors, gloo); leave backend=None or unset {C.RAY_TRAIN_TPU_SIMULATE}"
-    )
-
-
-def _resolve_topology(reports, cfg: TPUTorchConfig) -> Topology:
-    host_values = {(r["accelerator_type"], r["topology"]) for r in reports}
-    if cfg.topology is not None:
-        topology = Topology.parse(cfg.topology, cfg.accelerator_type)
-        for pod_type, name in host_values:
-            if name and Topology.parse(name, _generation_of(pod_type) or topology.accelerator_type).name != topology.name:
-                raise ValueError(
-                    f"TPUTorchConfig(topology={cfg.topology!r}) does not match the hosts' "
-                    f"TPU_TOPOLOGY={name!r}; use the slice the cluster has"
-                )
-        return topology
-    if len(host_values) != 1 or None in next(iter(host_values)):
-        raise ValueError(
-            "cannot tell the slice topology: the hosts report TPU_ACCELERATOR_TYPE/"
-            f"TPU_TOPOLOGY {sorted(map(str, host_values))}; set them on every host or pass "
-            "TPUTorchConfig(topology=..., accelerator_type=...)"
-        )
-    pod_type, name = next(iter(host_values))
-    return Topology.parse(name, _generation_of(pod_type))
-
-
-def _generation_of(pod_type: Optional[str]) -> Optional[str]:
-    """``"v4-16"`` -> ``"TPU-V4"``; ``"tpu7x-8"`` -> ``"TPU-V7X"``."""
-    if not pod_type:
-        return None
-    return get_generation(pod_type.rsplit("-", 1)[0]).accelerator_type
-
-
-def _fill_node_tpus(reports: list) -> None:
-    node_tpus = {n["NodeID"]: n.get("Resources", {}).get("TPU", 0) for n in ray.nodes()}
-    for r in reports:
-        r["node_tpus"] = node_tpus.get(r["node_id"], 0)
-
-
-def _infos(reports: list) -> list[WorkerInfo]:
-    return [
-        WorkerInfo(
-            index=i,
-            node_ip=r["node_ip"],
-            slice_name=r["slice_name"],
-            tpu_worker_id=None if r["worker_id"] is None else int(r["worker_id"]),
-            tpu_ids=tuple(int(t) for t in r["tpu_ids"]),
-            node_tpus=r["node_tpus"],
-            preset=r["preset"],
-        )
-        for i, r in enumerate(reports)
-    ]
-
-
-def _layout(reports, topology: Topology, num_slices: int) -> Layout:
-    plan = layout(_infos(reports), topology, num_slices)
-    wrong = [i for i, rank in enumerate(plan.ranks) if rank != i]
-    if wrong:
-        raise RuntimeError(
-            "ray_train_tpu: Ray ranked TPU workers differently from their TPU worker "
-            f"ids and chips (workers {wrong[:8]} would get ranks "
-            f"{[plan.ranks[i] for i in wrong[:8]]}); the worker-order adapter is "
-            f"tested with Ray {_ray_adapter.TESTED_RAY_VERSION}, found {ray.__version__}"
-        )
-    return plan
-
-
-def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
-    """The env to apply: computed values, except those already set for the worker
-    or given in extra_env, which win with a warning naming them; ranks (and
-    TPU_VISIBLE_CHIPS) are always computed, since Ray fixes them."""
-    for key in sorted(set(extra) & set(_RANK_KEYS) - warned):
-        warned.add(key)
-        logger.warning("ray_train_tpu: ignoring TPUTorchConfig(extra_env) %s: Ray fixes the ranks", key)
-    wanted = {k: v for k, v in {**preset, **extra}.items() if k not in _RANK_KEYS}
-    env, kept = apply_preset(computed, wanted)
-    for key, (value, ours) in kept.items():
-        if key not in warned:
-            warned.add(key)
-            logger.warning("ray_train_tpu: keeping %s=%r set for the worker (computed %r)", key, value, ours)
-    env.update({k: v for k, v in wanted.items() if k not in computed and k in extra})
-    return env
-
-
-def _node_rank(rank: int, plan: Layout) -> int:
-    per_host = len(plan.ranks) // len(plan.hosts)
-    return rank // per_host
-
-
-def _ranges(values: list[int]) -> str:
-    values = sorted(values)
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)

@@ -60,9 +60,25 @@ DEFAULT_TORCH_TPU_BASE_PORT = 8070
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_MEGASCALE_PORT = 8081
 
-# Environment every process we start must carry before torch is imported, so that
-# libtpu never queries the cloud metadata server (a stall of minutes off GCP).
+# Pinned upstream versions: what the `_compat` seams were written and tested
+# against, and what generated manifests name.
+RAY_VERSION = "2.60.0"
+TORCH_VERSION = "2.13"  # major.minor; any patch release
+TORCH_TPU_VERSION = "0.2.0"
+RAY_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311"
+
+# Env presets. Every process we start off GCP carries NO_METADATA_SERVER_ENV
+# before torch is imported, so that libtpu never queries the cloud metadata
+# server (a stall of minutes); CPU_ONLY_ENV also keeps torch from autoloading
+# torch_tpu where no TPU device is wanted (tests, benchmarks, simulation).
 NO_METADATA_SERVER_ENV = {TPU_SKIP_MDS_QUERY: "1"}
+CPU_ONLY_ENV = {**NO_METADATA_SERVER_ENV, TORCH_DEVICE_BACKEND_AUTOLOAD: "0"}
+SIMULATION_ENV = {RAY_TRAIN_TPU_SIMULATE: "1", **CPU_ONLY_ENV}
+
+# Default ports of the CLI's commands (Ray's own defaults).
+DEFAULT_RAY_GCS_PORT = 6379
+DEFAULT_RAY_DASHBOARD_PORT = 8265
+DEFAULT_RAY_CLIENT_PORT = 10001
 
 # Fault injection for simulated hosts only: seconds a worker waits before it
 # joins the process group (a host that "never joins" the rendezvous).

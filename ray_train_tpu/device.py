@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ray_train_tpu import _environ
+from ray_train_tpu import _environ, _host
 from ray_train_tpu import constants as C
 
 # CPU feature flags (Linux /proc/cpuinfo) that mean bfloat16 arithmetic in hardware:
@@ -40,9 +40,7 @@ def get_device():
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().get_accelerator_ids().get("TPU"):
-        from ray_train_tpu import _worker
-
-        _worker.check_tpu_runtime()
+        check_tpu_runtime()
         return torch.device("tpu")
     import ray.train.torch
 
@@ -90,3 +88,49 @@ def compute_dtype():
     if is_simulated() and not cpu_has_native_bf16():
         return torch.float32
     return torch.bfloat16
+
+def check_tpu_runtime() -> None:
+    """Load torch_tpu and fail, naming what is missing, unless it gave us a "tpu"
+    device and the "tpu_dist" backend. Never falls back to CPU."""
+    import torch.distributed as dist
+
+    from ray_train_tpu._compat import ray_train as compat_ray
+    from ray_train_tpu._compat import torch as compat_torch
+
+    try:
+        compat_ray.load_tpu_dist_backend()  # torch_tpu._loader.load()
+    except ImportError:
+        raise RuntimeError(
+            "this worker holds a TPU but torch_tpu is not installed: install "
+            "'ray_train_tpu[tpu]' (torch-tpu, libtpu) on every TPU host, or set "
+            f"{C.RAY_TRAIN_TPU_SIMULATE}=1 to simulate the slice on CPU"
+        ) from None
+    missing = []
+    if compat_torch.privateuse1_backend_name() != "tpu":
+        missing.append('"tpu" device')
+    if "tpu_dist" not in dist.Backend.backend_list:
+        missing.append('"tpu_dist" process-group backend')
+    if missing:
+        raise RuntimeError(
+            f"torch_tpu is installed but registered no {' and no '.join(missing)} in "
+            f"this worker; likely causes: {'; '.join(_tpu_diagnosis())}. ray_train_tpu "
+            f"never falls back to CPU on a TPU host; set {C.RAY_TRAIN_TPU_SIMULATE}=1 "
+            "to simulate on purpose"
+        )
+
+
+def _tpu_diagnosis() -> list[str]:
+    from ray_train_tpu._compat import torch_tpu as compat_torch_tpu
+
+    causes = []
+    if compat_torch_tpu.tpu_chip_count() == 0:
+        causes.append("no TPU chip is visible to this process (no TPU PCI device under /dev/vfio or /dev/accel*)")
+    holder = _host.lockfile_holder(C.LIBTPU_LOCKFILE)
+    if holder:
+        causes.append(f"libtpu's lockfile {C.LIBTPU_LOCKFILE} is held by {_host.describe_holder(holder)}; "
+                      "stop that process")
+    if not _environ.get(C.TORCH_TPU_SLICEBUILDER_ADDRESSES):
+        causes.append(f"{C.TORCH_TPU_SLICEBUILDER_ADDRESSES} was not applied to this worker")
+    if _environ.get(C.TORCH_DEVICE_BACKEND_AUTOLOAD) == "0":
+        causes.append(f"{C.TORCH_DEVICE_BACKEND_AUTOLOAD}=0 is set; unset it on TPU hosts")
+    return causes or ["torch_tpu failed to initialise libtpu (see the worker log)"]

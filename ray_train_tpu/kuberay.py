@@ -38,16 +38,16 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-from typing import Callable, Optional, TextIO
+from typing import Optional
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Topology
 
-DEFAULT_RAY_VERSION = "2.60.0"
-DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"  # placeholder: no torch, torch-tpu, ray_train_tpu
+DEFAULT_RAY_VERSION = C.RAY_VERSION
+DEFAULT_IMAGE = C.RAY_IMAGE  # placeholder: no torch, torch-tpu, ray_train_tpu
 KINDS = ("RayCluster", "RayJob")
 FORMATS = ("yaml", "json")
 
@@ -63,7 +63,8 @@ _MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 _HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
-_HEAD_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001))
+_HEAD_PORTS = (("gcs", C.DEFAULT_RAY_GCS_PORT), ("dashboard", C.DEFAULT_RAY_DASHBOARD_PORT),
+               ("client", C.DEFAULT_RAY_CLIENT_PORT))
 
 
 def build_manifest(
@@ -113,8 +114,7 @@ def _check_inputs(topology, num_slices, kind, image, entrypoint) -> None:
             f"topology must be a Topology, got {type(topology).__name__} {topology!r}; "
             f"use Topology.parse('4x4', 'TPU-V6E')"
         )
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices {num_slices!r} must be an integer of at least 1; pass --num-slices 1 or more")
+    V.check_num_slices("", num_slices, fix=f"{V.MAX_NUM_SLICES_WHY}; pass --num-slices 1 or more")
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not a KubeRay kind this command writes; valid: {', '.join(KINDS)}")
     if not isinstance(image, str) or not image or any(c.isspace() for c in image):
@@ -208,33 +208,3 @@ def format_manifest(manifest: dict, fmt: str = "yaml") -> str:
 
         return yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False)
     raise ValueError(f"format {fmt!r} is not supported; valid: {', '.join(FORMATS)}")
-
-
-def _kuberay(args: argparse.Namespace, out: TextIO) -> int:
-    topology = Topology.parse(args.topology, args.accelerator_type)
-    manifest = build_manifest(
-        topology,
-        num_slices=args.num_slices,
-        kind=args.kind,
-        image=args.image,
-        name=args.name,
-        entrypoint=args.entrypoint,
-    )
-    out.write(format_manifest(manifest, args.format))
-    return 0
-
-
-def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``kuberay`` to ``python -m ray_train_tpu``."""
-    p = subparsers.add_parser("kuberay", help="print a KubeRay RayCluster or RayJob manifest for GKE TPU slices")
-    add_slice_args(p)
-    p.add_argument("--kind", choices=KINDS, default="RayCluster", help="default RayCluster")
-    p.add_argument("--name", help="metadata.name (default ray-train-<pod type>)")
-    p.add_argument(
-        "--image",
-        default=DEFAULT_IMAGE,
-        help=f"image with torch, torch-tpu and ray_train_tpu (default {DEFAULT_IMAGE}, a placeholder without them)",
-    )
-    p.add_argument("--entrypoint", help="command the RayJob runs, e.g. 'python train.py' (RayJob only)")
-    p.add_argument("--format", choices=FORMATS, default="yaml")
-    p.set_defaults(func=_kuberay)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Coords, Topology
 
@@ -82,7 +83,7 @@ class WorkerPlace:
 def worker_place(topology: Topology, rank: int, num_slices: int = 1) -> WorkerPlace:
     """The place of `rank`: ranks are slice-major, then host (TPU worker id),
     then device on the host."""
-    _check_num_slices(num_slices)
+    V.check_num_slices("", num_slices)
     world_size = topology.num_devices * num_slices
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(
@@ -138,13 +139,13 @@ class _JobShared:
         megascale_port: int,
         xprof_session_id: str,
     ):
-        _check_num_slices(num_slices)
+        V.check_num_slices("", num_slices)
         self.topology = topology
         self.num_slices = num_slices
-        self.hosts = _check_hosts(topology, hosts, num_slices)
-        self.base_port = _check_port("base_port", base_port, topology.devices_per_host)
-        self.master_port = _check_port("master_port", master_port, 1)
-        self.megascale_port = _check_port("megascale_port", megascale_port, topology.devices_per_host)
+        self.hosts = check_hosts(topology, hosts, num_slices)
+        self.base_port = V.check_port("", "base_port", base_port, span=topology.devices_per_host)
+        self.master_port = V.check_port("", "master_port", master_port)
+        self.megascale_port = V.check_port("", "megascale_port", megascale_port, span=topology.devices_per_host)
         if not isinstance(xprof_session_id, str) or not xprof_session_id:
             raise ValueError(
                 f"xprof_session_id must be a non-empty string shared by all ranks, "
@@ -260,34 +261,20 @@ def apply_preset(
     return env, kept
 
 
-def _check_num_slices(num_slices: object) -> None:
-    if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
-        raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
-
-
-def _check_port(field: str, port: object, span: int) -> int:
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535 - span + 1:
-        raise ValueError(
-            f"{field} must be an integer port such that {field}..{field}+{span - 1} "
-            f"fit in 1..65535, got {port!r}"
-        )
-    return port
-
-
-def _check_hosts(topology: Topology, hosts: Sequence[str], num_slices: int) -> list[str]:
+def check_hosts(topology: Topology, hosts: Sequence[str], num_slices: int) -> list[str]:
     expected = topology.num_hosts * num_slices
-    if isinstance(hosts, str) or len(hosts) != expected:
-        got = hosts if isinstance(hosts, str) else f"{len(hosts)} hosts"
+    if isinstance(hosts, str) or not isinstance(hosts, Sequence) or len(hosts) != expected:
+        got = f"{len(hosts)} hosts" if isinstance(hosts, Sequence) and not isinstance(hosts, str) else hosts
         raise ValueError(
             f"hosts must list the {expected} hosts of {num_slices} x {topology} "
             f"in TPU worker id order (slice-major), got {got!r}"
         )
     hosts = list(hosts)
     for host in hosts:
-        if not isinstance(host, str) or not host or any(c in host for c in ",: \t\n"):
+        if not isinstance(host, str) or not host or len(host) > 253 or any(c in host for c in ",: \t\n"):
             raise ValueError(
                 f"host {host!r} is not a host name or IPv4 address; names must be "
-                "non-empty and contain no ',', ':' or whitespace (they are joined "
+                "non-empty, at most 253 characters, and contain no ',', ':' or whitespace (they are joined "
                 "into TORCH_TPU_SLICEBUILDER_ADDRESSES as host:port)"
             )
     if len(set(hosts)) != len(hosts):
@@ -296,57 +283,3 @@ def _check_hosts(topology: Topology, hosts: Sequence[str], num_slices: int) -> l
             f"hosts must be distinct, one per TPU host; repeated: {', '.join(dupes)}"
         )
     return hosts
-
-
-def build_plan(
-    topology: Topology,
-    *,
-    num_slices: int = 1,
-    hosts: Sequence[str] | None = None,
-    xprof_session_id: str = "0",
-    base_port: int = C.DEFAULT_TORCH_TPU_BASE_PORT,
-    master_port: int = C.DEFAULT_MASTER_PORT,
-    megascale_port: int = C.DEFAULT_MEGASCALE_PORT,
-) -> dict:
-    """The slice plan that ``python -m ray_train_tpu plan`` prints, as a dict.
-
-    Workers are in rank order; each carries its complete `launch_env`. Without
-    `hosts`, `placeholder_hosts` stand in for them.
-    """
-    _check_num_slices(num_slices)
-    if hosts is None:
-        hosts = placeholder_hosts(topology, num_slices)
-    _check_hosts(topology, hosts, num_slices)
-    envs = launch_envs(
-        topology,
-        hosts,
-        num_slices=num_slices,
-        xprof_session_id=xprof_session_id,
-        base_port=base_port,
-        master_port=master_port,
-        megascale_port=megascale_port,
-    )
-    return {
-        "accelerator_type": topology.accelerator_type,
-        "topology": topology.name,
-        "pod_type": topology.pod_type,
-        "num_slices": num_slices,
-        "num_hosts": topology.num_hosts,
-        "chips_per_host": topology.chips_per_host,
-        "devices_per_chip": topology.devices_per_chip,
-        "num_workers": len(envs),
-        "resources_per_worker": {"TPU": 1},
-        "workers": [
-            {
-                "rank": p.rank,
-                "local_rank": p.local_rank,
-                "node_rank": p.node_rank,
-                "slice_id": p.slice_id,
-                "worker_id": p.worker_id,
-                "host": hosts[p.node_rank],
-                "chip_coords": list(p.chip_coords),
-                "env": env,
-            }
-            for p, env in envs
-        ],
-    }

@@ -83,9 +83,9 @@ def _or_list(values: list[int]) -> str:
 
 
 def _check_count(field: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
-    return value
+    from ray_train_tpu import _validate as V
+
+    return V.check_int("", field, value, min=1)
 
 
 def mesh_layout(

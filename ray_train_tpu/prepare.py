@@ -67,7 +67,20 @@ def prepare_model(model, *, strategy: Any = None, move_to_device: bool = True):
     return chosen.parallelize(model, device)
 
 
-def _ray_prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
+def set_worker_context(strategy, topology: str, accelerator_type: str, num_slices: int) -> None:
+    """Runs in each worker (the backend passes it to ``worker_group.execute``):
+    tell `prepare_model`, ours and Ray's, the job's strategy and slice."""
+    from ray_train_tpu._compat import ray_train as compat_ray
+
+    set_context(
+        StrategyContext(
+            strategy=strategy or "ddp", topology=topology, accelerator_type=accelerator_type, num_slices=num_slices
+        )
+    )
+    compat_ray.route_ray_prepare_model(ray_prepare_model)
+
+
+def ray_prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
     """``ray.train.torch.prepare_model`` inside a TPUTorchTrainer worker."""
     if parallel_strategy_kwargs:
         logger.warning(

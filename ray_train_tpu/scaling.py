@@ -9,6 +9,7 @@ from typing import Optional, Union
 from ray.train import ScalingConfig
 
 from ray_train_tpu import _environ
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Topology
 
@@ -62,10 +63,9 @@ class TPUScalingConfig(ScalingConfig):
                 "ray.train.ScalingConfig(use_gpu=True) for GPUs"
             )
         topo = Topology.parse(self.topology, self.accelerator_type)
-        if not isinstance(self.num_slices, int) or isinstance(self.num_slices, bool) or self.num_slices < 1:
-            raise ValueError(
-                f"TPUScalingConfig(num_slices={self.num_slices!r}) must be an integer >= 1"
-            )
+        V.check_num_slices("TPUScalingConfig", self.num_slices)
+        if self.resources_per_worker is not None:
+            V.check_resources("TPUScalingConfig", "resources_per_worker", self.resources_per_worker)
         # Ray's spellings, so that its placement and validation see the same slice.
         self.topology = topo.name
         self.accelerator_type = topo.accelerator_type

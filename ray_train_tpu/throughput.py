@@ -20,6 +20,7 @@ import time
 from typing import Callable, Optional
 
 from ray_train_tpu import _environ
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.device import is_simulated
 
@@ -27,14 +28,13 @@ from ray_train_tpu.device import is_simulated
 def peak_flops_per_device(accelerator_type: Optional[str]) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one device of `accelerator_type` (``"TPU-V6E"``
     or a pod type such as ``"v6e-16"``), or None when unknown."""
-    from ray_train_tpu.topology import get_generation
+    from ray_train_tpu.topology import generation_of
 
     if not accelerator_type:
         return None
-    name = accelerator_type.rsplit("-", 1)[0] if accelerator_type[-1].isdigit() else accelerator_type
     try:
-        return get_generation(name).peak_bf16_flops_per_device
-    except ValueError:
+        return generation_of(accelerator_type).peak_bf16_flops_per_device
+    except (TypeError, ValueError):
         return None
 
 
@@ -60,8 +60,8 @@ class ThroughputMeter:
     ):
         for name, value in (("flops_per_sample", flops_per_sample), ("tokens_per_sample", tokens_per_sample),
                             ("peak_flops_per_device", peak_flops_per_device), ("world_size", world_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"ThroughputMeter({name}={value!r}) must be a positive number")
+            if value is not None:
+                V.check_number("ThroughputMeter", name, value, fix=f"or {name}=None")
         self.simulated = is_simulated()
         self.flops_per_sample = flops_per_sample
         self.tokens_per_sample = tokens_per_sample

@@ -40,6 +40,11 @@ Coords = tuple[int, int, int]
 
 _MULTI_HOST_CHIP_BOUNDS: Coords = (2, 2, 1)
 
+# Longest topology or pod-type string accepted: real ones ("16x16x24",
+# "2,2,1,2", "v5litepod-256") are well under it; longer input is refused before
+# Python's int() sees thousands of digits.
+MAX_TOPOLOGY_LENGTH = 32
+
 
 def _grid_3d(sizes: Iterable[int], max_dims: Coords) -> frozenset[str]:
     """Every AxBxC with A, B, C from `sizes`, bounded by `max_dims`."""
@@ -158,6 +163,13 @@ _ALIASES = {
 }
 
 
+# TorchTPU devices on the largest host of any generation: ports count up from a
+# base port by one per device of a host.
+MAX_DEVICES_PER_HOST = max(
+    max(g.max_single_host_chips, 4) * g.devices_per_chip for g in GENERATIONS.values()
+)
+
+
 def get_generation(accelerator_type: str) -> Generation:
     """The `Generation` for an accelerator type such as ``"TPU-V6E"`` or ``"v6e"``."""
     if not isinstance(accelerator_type, str):
@@ -173,6 +185,60 @@ def get_generation(accelerator_type: str) -> Generation:
             f"generation; valid: {', '.join(GENERATIONS)}"
         )
     return GENERATIONS[key]
+
+
+def parse_pod_type(pod_type: str) -> tuple[Generation, int]:
+    """The one pod-type parser: ``"v4-16"`` -> (TPU-V4's `Generation`, 16 TensorCores).
+
+    Accepts Ray's and GCP's spellings (``"v6e-16"``, ``"v5litepod-8"``,
+    ``"tpu7x-8"``), in any case.
+
+    Example:
+        >>> gen, cores = parse_pod_type("v4-16")
+        >>> gen.accelerator_type, cores
+        ('TPU-V4', 16)
+    """
+    text = pod_type.strip() if isinstance(pod_type, str) else ""
+    prefix, _, cores = text.rpartition("-")
+    if not prefix or not cores.isdecimal() or len(text) > MAX_TOPOLOGY_LENGTH:
+        raise ValueError(
+            f"pod type {pod_type!r} is not '<generation>-<TensorCores>' such as 'v4-16' or "
+            f"'v6e-16'; generations: {', '.join(g.pod_prefix for g in GENERATIONS.values())}"
+        )
+    return get_generation(prefix), int(cores)
+
+
+def generation_of(name: str) -> Generation:
+    """The `Generation` named by an accelerator type (``"TPU-V4"``, ``"v6e"``) or
+    a pod type (``"v4-16"``).
+
+    Example:
+        >>> generation_of("TPU-V4").pod_prefix, generation_of("tpu7x-8").accelerator_type
+        ('v4', 'TPU-V7X')
+    """
+    try:
+        return get_generation(name)
+    except ValueError as e:
+        try:
+            return parse_pod_type(name)[0]
+        except ValueError:
+            raise e from None
+
+
+def generation_of_pod_type(pod_type: "str | None") -> "str | None":
+    """``"v4-16"`` -> ``"TPU-V4"``; None for an empty value."""
+    return generation_of(pod_type).accelerator_type if pod_type else None
+
+
+def normalize_pod_type(text: str) -> str:
+    """A ``TPU_ACCELERATOR_TYPE`` value as Ray spells the pod type in its labels:
+    lower case, no ``tpu-`` prefix (``"TPU-v4-16"`` -> ``"v4-16"``).
+
+    Example:
+        >>> normalize_pod_type("TPU-V6E-16"), normalize_pod_type("tpu7x-8")
+        ('v6e-16', 'v7x-8')
+    """
+    return re.sub(r"^tpu-?v?", "v", text.strip().lower())
 
 
 def _sort_key(topology: str) -> tuple[int, ...]:
@@ -202,6 +268,12 @@ def _invalid(topology: object, gen: Generation, rule: str) -> ValueError:
 def _parse_dims(topology: object, gen: Generation) -> tuple[int, ...]:
     if not isinstance(topology, str):
         raise _invalid(topology, gen, "expected a string such as '4x4' or '2x2x2'")
+    if len(topology) > MAX_TOPOLOGY_LENGTH:
+        raise ValueError(
+            f"topology {topology[:24]!r}... is {len(topology)} characters long; the longest "
+            f"real slice name has fewer than {MAX_TOPOLOGY_LENGTH} (e.g. '16x16x24'); "
+            f"valid for {gen.accelerator_type}: {', '.join(valid_topologies(gen.accelerator_type))}"
+        )
     text = topology.strip().lower()
     if not re.fullmatch(r"\d+([x,]\d+){1,3}", text):
         raise _invalid(topology, gen, "expected integers separated by 'x' or ','")

@@ -1,10 +1,14 @@
-"""Parallelism strategies, one file each behind `get_strategy`.
+"""Parallelism strategies, one file each; each registers itself by name.
 
 - ``"ddp"`` `DDPStrategy` (default): replicate, average gradients.
 - ``"fsdp2"`` `FSDP2Strategy`: ``fully_shard`` inside a slice, HSDP across slices.
 - ``"tp"`` `TensorParallelStrategy`: DTensor tensor parallelism on one host.
 - ``"fsdp2+tp"`` `FSDP2TPStrategy`: tensor parallel inside a host, FSDP2 across.
 - ``"model_parallel"`` `ModelParallelStrategy`: the user's ``parallelize_fn(model, mesh)``.
+
+A new strategy is one new module here: a `Strategy` subclass with a ``name``
+(see `ray_train_tpu.strategies.base`); it is then known to `get_strategy`,
+``TPUTorchTrainer(strategy=...)`` and exported from this package.
 
 Example:
     >>> from ray_train_tpu.strategies import get_strategy
@@ -13,21 +17,10 @@ Example:
 """
 
 from ray_train_tpu.strategies.base import Strategy
-from ray_train_tpu.strategies.ddp import DDPStrategy
-from ray_train_tpu.strategies.fsdp2 import FSDP2Strategy
-from ray_train_tpu.strategies.fsdp2_tp import FSDP2TPStrategy
-from ray_train_tpu.strategies.model_parallel import ModelParallelStrategy
-from ray_train_tpu.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, get_strategy
-from ray_train_tpu.strategies.tensor_parallel import TensorParallelStrategy
+from ray_train_tpu.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, get_strategy, load_all
 
-__all__ = [
-    "DEFAULT_STRATEGY",
-    "DDPStrategy",
-    "FSDP2Strategy",
-    "FSDP2TPStrategy",
-    "ModelParallelStrategy",
-    "STRATEGIES",
-    "Strategy",
-    "TensorParallelStrategy",
-    "get_strategy",
-]
+load_all()
+globals().update({cls.__name__: cls for cls in STRATEGIES.values()})
+
+__all__ = sorted(["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "get_strategy",
+                  *(cls.__name__ for cls in STRATEGIES.values())])

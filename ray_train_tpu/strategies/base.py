@@ -28,6 +28,7 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, Optional
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu.mesh import MeshLayout, build_device_mesh, mesh_layout, mesh_layout_for
 
 if TYPE_CHECKING:
@@ -38,11 +39,31 @@ if TYPE_CHECKING:
     from ray_train_tpu.topology import Topology
 
 
+# Every concrete strategy by name, in the order their modules were imported;
+# filled by `Strategy.__init_subclass__`, read by `registry.get_strategy`.
+STRATEGIES: dict[str, type["Strategy"]] = {}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy(abc.ABC):
-    """Base class of the parallelism strategies; see the module docstring."""
+    """Base class of the parallelism strategies; see the module docstring.
+
+    A subclass with a ``name`` registers itself under it, so a new strategy is
+    one new file in `ray_train_tpu.strategies` (every module there is loaded).
+    """
 
     name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in STRATEGIES and STRATEGIES[name].__qualname__ != cls.__qualname__:
+                raise ValueError(
+                    f"strategy name {name!r} of {cls.__qualname__} is taken by "
+                    f"{STRATEGIES[name].__qualname__}; give the new strategy another name"
+                )
+            STRATEGIES[name] = cls
     # Worker-local runtime state, set by `setup`; never compared, printed or pickled.
     _mesh: Optional["DeviceMesh"] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -108,9 +129,8 @@ class Strategy(abc.ABC):
 
 
 def _check_job(topology: Optional["Topology"], num_slices: int, world_size: int) -> None:
-    for field, value in (("num_slices", num_slices), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+    V.check_num_slices("", num_slices)
+    V.check_int("", "world_size", world_size, min=1)
     if topology is not None and world_size != topology.num_devices * num_slices:
         raise ValueError(
             f"world_size {world_size} does not fill num_slices={num_slices} x {topology}: "

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Optional
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies.base import Strategy, standard_layout, to_device
 
@@ -45,10 +46,7 @@ class DDPStrategy(Strategy):
     find_unused_parameters: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.find_unused_parameters, bool):
-            raise TypeError(
-                f"DDPStrategy(find_unused_parameters={self.find_unused_parameters!r}) must be True or False"
-            )
+        V.check_bool("DDPStrategy", "find_unused_parameters", self.find_unused_parameters)
 
     def _layout(self, topology: Optional["Topology"], num_slices: int, world_size: int) -> MeshLayout:
         return standard_layout(topology, num_slices, world_size, tp_size=1, fsdp=False)

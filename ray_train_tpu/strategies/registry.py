@@ -1,5 +1,9 @@
 """`get_strategy`: a strategy from its name, or the strategy object itself.
 
+Strategies register themselves (`Strategy.__init_subclass__`); `load_all`
+imports every module of `ray_train_tpu.strategies`, so that a strategy in a new
+file is known by name without editing a list.
+
 Example:
     >>> get_strategy("fsdp2").name
     'fsdp2'
@@ -11,20 +15,28 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import importlib
+import pkgutil
+from typing import Union
 
-from ray_train_tpu.strategies.base import Strategy
-from ray_train_tpu.strategies.ddp import DDPStrategy
-from ray_train_tpu.strategies.fsdp2 import FSDP2Strategy
-from ray_train_tpu.strategies.fsdp2_tp import FSDP2TPStrategy
-from ray_train_tpu.strategies.model_parallel import ModelParallelStrategy
-from ray_train_tpu.strategies.tensor_parallel import TensorParallelStrategy
+from ray_train_tpu.strategies.base import STRATEGIES, Strategy
 
 DEFAULT_STRATEGY = "ddp"
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (DDPStrategy, FSDP2Strategy, TensorParallelStrategy, FSDP2TPStrategy, ModelParallelStrategy)
-}
+# Listed first, in this order, in messages; any other strategy follows.
+_ORDER = ("ddp", "fsdp2", "tp", "fsdp2+tp", "model_parallel")
+
+
+def load_all() -> dict[str, type[Strategy]]:
+    """Import every strategy module (each registers its strategies); returns `STRATEGIES`."""
+    package = importlib.import_module("ray_train_tpu.strategies")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    ordered = sorted(STRATEGIES, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
+    if list(STRATEGIES) != ordered:
+        items = {n: STRATEGIES[n] for n in ordered}
+        STRATEGIES.clear()
+        STRATEGIES.update(items)
+    return STRATEGIES
 
 
 def get_strategy(spec: Union[str, Strategy, None] = None) -> Strategy:
@@ -38,6 +50,7 @@ def get_strategy(spec: Union[str, Strategy, None] = None) -> Strategy:
         spec = DEFAULT_STRATEGY
     if isinstance(spec, Strategy):
         return spec
+    load_all()
     if not isinstance(spec, str):
         raise TypeError(
             f"strategy must be a name ({', '.join(STRATEGIES)}) or a Strategy object, "

@@ -19,11 +19,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from ray_train_tpu import _validate as V
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies.base import Strategy, standard_layout, to_device
 
@@ -63,8 +65,23 @@ def check_tp_plan(
 
 
 def check_tp_size(cls: str, tp_size: Optional[int]) -> None:
-    if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1):
-        raise ValueError(f"{cls}(tp_size={tp_size!r}) must be None or an integer >= 1")
+    if tp_size is not None:
+        V.check_int(cls, "tp_size", tp_size, min=1, fix="or None for every device of a host")
+
+
+def _plan_key_matches(key: str, name: str) -> bool:
+    """Does plan key `key` (an FQN, or a pattern such as ``layers.*.attention``
+    as ``parallelize_module`` accepts: fnmatch per dot-separated atom) name the
+    submodule `name`?
+
+    Example:
+        >>> _plan_key_matches("layers.*.attention", "layers.3.attention")
+        True
+        >>> _plan_key_matches("layers.*", "layers.3.attention")
+        False
+    """
+    atoms, parts = key.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
 
 
 def apply_tp(
@@ -75,12 +92,14 @@ def apply_tp(
 ) -> nn.Module:
     """``parallelize_module(model, tp_mesh, plan)``, or the user's function."""
     if plan is not None:
-        missing = sorted(set(plan) - {name for name, _ in model.named_modules()})
+        names = [name for name, _ in model.named_modules() if name]
+        missing = sorted(key for key in plan if not any(_plan_key_matches(key, n) for n in names))
         if missing:
             # parallelize_module only warns about these; a typo would leave the layer whole.
             raise ValueError(
                 f"tensor-parallel plan names submodules the model does not have: {missing}; "
-                f"use names from model.named_modules(), e.g. {[n for n, _ in model.named_modules() if n][:6]}"
+                f"use names from model.named_modules() or fnmatch patterns of them such as "
+                f"'layers.*.attention', e.g. {names[:6]}"
             )
         return parallelize_module(model, tp_mesh, dict(plan))
     out = parallelize_fn(model, tp_mesh)

@@ -25,6 +25,7 @@ import logging
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ray_train_tpu import _environ
+from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu.topology import Topology
 
@@ -34,13 +35,11 @@ logger = logging.getLogger(__name__)
 # the head and the hosts use other loopback addresses.
 HEAD_IP = "127.0.0.100"
 _OBJECT_STORE_BYTES = 80 * 2**20
+# Hosts one machine can simulate: each is a raylet (plus its workers).
+MAX_SIMULATED_HOSTS = 64
 
 # What every process of a simulated cluster carries, driver included.
-SIMULATION_ENV = {
-    C.RAY_TRAIN_TPU_SIMULATE: "1",
-    C.TPU_SKIP_MDS_QUERY: "1",
-    C.TORCH_DEVICE_BACKEND_AUTOLOAD: "0",
-}
+SIMULATION_ENV = C.SIMULATION_ENV
 
 HostKey = tuple[int, int]  # (slice id, TPU worker id)
 
@@ -224,11 +223,15 @@ def simulated_tpu_cluster(
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_train_tpu import _ray_adapter
+    from ray_train_tpu._compat import ray_train as compat_ray
 
     topo = Topology.parse(topology, accelerator_type)
-    if not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices must be an integer >= 1, got {num_slices!r}")
+    V.check_num_slices("simulated_tpu_cluster", num_slices)
+    V.check_int("simulated_tpu_cluster", "num_slices * hosts per slice", num_slices * topo.num_hosts,
+                max=MAX_SIMULATED_HOSTS, why="each simulated host is a raylet process of ~150 MB",
+                fix=f"simulate a smaller topology or fewer slices than {topo} x {num_slices}")
+    if cpus_per_host is not None:
+        V.check_int("simulated_tpu_cluster", "cpus_per_host", cpus_per_host, min=1, max=1024)
     keys = _registration_order(topo, num_slices, host_order, [tuple(k) for k in missing_hosts])
     host_env = {tuple(k): v for k, v in (host_env or {}).items()}
     for key in host_env:
@@ -245,7 +248,7 @@ def simulated_tpu_cluster(
             "call ray.shutdown() first"
         )
     _environ.update(driver_env)
-    undo_metadata_guard = _ray_adapter.forbid_metadata_server()
+    undo_metadata_guard = compat_ray.forbid_metadata_server()
     cluster = None
     try:
         cluster = Cluster(

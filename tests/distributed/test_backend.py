@@ -16,8 +16,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig, setup_process_group, shutdown_process_group
-from ray_train_tpu.launch_env import ENV_KEYS, build_plan
-from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
@@ -25,10 +25,7 @@ pytestmark = pytest.mark.distributed
 TOPOLOGY, ACCEL = "2x2x2", "TPU-V4"
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL, host_order=[1, 0]) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, host_order=[1, 0])
 
 
 def _probe(config):
@@ -146,7 +143,7 @@ def test_two_chips_per_worker_is_refused_before_training(sim, tmp_path):
 
 def _assert_released(timeout_s=30):
     """No Train worker alive, no placement group held."""
-    from ray_train_tpu._ray_adapter import alive_actors
+    from ray_train_tpu.testing import alive_actors
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:

@@ -36,8 +36,8 @@ from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
 from ray_train_tpu.checkpoint import MANIFEST
-from ray_train_tpu.launch_env import ENV_KEYS, build_plan
-from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
@@ -53,10 +53,7 @@ NOTICE_AT = {"sigterm": 4, "sigterm_in_save": 3}
 PG_TIMEOUT_S = 1800
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL, num_slices=SLICES) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, num_slices=SLICES)
 
 
 def _build(strategy, rank):

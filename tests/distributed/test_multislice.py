@@ -15,17 +15,14 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
-from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS, build_plan
-from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology="2x2x1", accelerator_type="TPU-V4", num_slices=2)
 
 
 def _probe(config):

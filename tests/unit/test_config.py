@@ -6,7 +6,8 @@ import pytest
 from ray.train.torch import TorchConfig
 
 from ray_train_tpu import TPUTorchConfig
-from ray_train_tpu.config import _choose_backend, _generation_of, _merge_env, _ranges
+from ray_train_tpu._backend import _choose_backend, _merge_env, _ranges
+from ray_train_tpu.topology import generation_of_pod_type as _generation_of
 
 
 def test_is_a_torch_config_with_auto_backend():
@@ -64,7 +65,7 @@ def test_small_helpers():
 def test_shutdown_does_not_queue_behind_workers_stuck_in_a_timed_out_rendezvous(monkeypatch):
     """A stalled host's workers are still busy in the roll call: asking them to
     leave the process group would wait out the 30 s shutdown timeout."""
-    from ray_train_tpu import config
+    from ray_train_tpu import _backend as config
 
     class Group:
         def __init__(self):

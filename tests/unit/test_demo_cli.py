@@ -11,4 +11,4 @@ def test_demo_rejects_bad_input_before_starting_anything():
     assert "valid: 1x1" in err.getvalue()
     err = io.StringIO()
     assert main(["demo", "--steps", "0"], out=io.StringIO(), err=err) == 2
-    assert "--steps must be >= 1" in err.getvalue()
+    assert "--steps must be an integer in 1..100000, got 0" in err.getvalue()

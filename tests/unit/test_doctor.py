@@ -358,7 +358,7 @@ def _run(*argv):
     (["doctor", "--address", "127.0.0.201:70000"], "is not a Ray cluster address"),
     # Nothing listens there: refused at once, before Ray would retry for minutes.
     (["doctor", "--address", "127.0.0.201:9"], "cannot connect to Ray at 127.0.0.201:9: Connection refused"),
-    (["doctor", "--timeout", "0", "--address", "127.0.0.201:9"], "timeout 0.0 must be a positive number"),
+    (["doctor", "--timeout", "0", "--address", "127.0.0.201:9"], "timeout must be a finite number of seconds in (0, 604800], got 0.0"),
     (["doctor", "--format", "yaml"], "invalid choice: 'yaml'"),
 ])
 def test_bad_input_or_no_cluster_is_one_line_and_status_2(argv, match):

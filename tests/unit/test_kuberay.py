@@ -196,7 +196,7 @@ def test_cli_defaults_to_a_yaml_raycluster():
     "argv, match",
     [
         (["--topology", "4x5", "--accelerator-type", "TPU-V6E"], "valid: 1x1, 2x2, 2x4, 4x4"),
-        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--num-slices", "0"], "num_slices 0"),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--num-slices", "0"], "num_slices must be an integer in 1..256, got 0"),
         (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--kind", "RayService"], "invalid choice"),
         (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--kind", "RayJob"], "required for kind RayJob"),
         (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--entrypoint", "x"], "only used by kind RayJob"),
@@ -218,7 +218,7 @@ def test_build_manifest_rejects_what_the_cli_cannot_send():
         build_manifest("4x4")
     with pytest.raises(ValueError, match="valid: RayCluster, RayJob"):
         build_manifest(t, kind="RayService")
-    with pytest.raises(ValueError, match="num_slices True"):
+    with pytest.raises(ValueError, match="num_slices must be an integer in 1..256, got True"):
         build_manifest(t, num_slices=True)
     with pytest.raises(ValueError, match="at most 47"):
         build_manifest(t, kind="RayJob", entrypoint="python x.py", name="a" * 48)

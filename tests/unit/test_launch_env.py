@@ -4,11 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ray_train_tpu.cli.plan import build_plan
 from ray_train_tpu.launch_env import (
     ENV_KEYS,
     MEGASCALE_KEYS,
     apply_preset,
-    build_plan,
     launch_env,
     launch_envs,
     placeholder_hosts,

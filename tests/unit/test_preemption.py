@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ray_train_tpu import preemption
-from tests.unit import _spawn
+from ray_train_tpu.checkpoint import preemption
+from ray_train_tpu.testing import gloo as _spawn
 
 
 def _notice_on_rank_1(rank, world_size):
@@ -68,7 +68,7 @@ def test_without_an_armed_guard_sigterm_reaches_the_previous_handler():
 def test_a_worker_still_alive_after_the_grace_period_exits_itself():
     script = textwrap.dedent("""
         import os, signal, time
-        from ray_train_tpu import preemption
+        from ray_train_tpu.checkpoint import preemption
         preemption.install_handler()
         with preemption.PreemptionGuard(grace_period_s=0.5):
             os.kill(os.getpid(), signal.SIGTERM)

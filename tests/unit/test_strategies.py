@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import _spawn
+from ray_train_tpu.testing import gloo as _spawn
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies import (
     DDPStrategy,
@@ -393,3 +393,34 @@ def test_tp_plan_names_must_exist_and_fn_must_return_the_model():
         apply_tp(mlp(), None, {"layers.0": ColwiseParallel()}, None)
     with pytest.raises(TypeError, match="parallelize_fn must return the parallelized nn.Module, got NoneType"):
         apply_tp(mlp(), None, None, lambda model, mesh: None)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.Linear(4, 4)
+        self.mlp = nn.Linear(4, 4)
+
+
+class _Layers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+
+def _tp_with_pattern(rank: int, world_size: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    model = apply_tp(_Layers(), init_device_mesh("cpu", (world_size,)), {"layers.*.attention": ColwiseParallel()}, None)
+    return [type(b.attention.weight).__name__ == DTensor.__name__ and isinstance(b.attention.weight, DTensor)
+            and not isinstance(b.mlp.weight, DTensor) for b in model.layers]
+
+
+def test_tp_plan_accepts_torchs_fnmatch_keys():
+    # torchtitan-style keys: one pattern for every block, as parallelize_module accepts them
+    assert _spawn.run(_tp_with_pattern, 2) == [[True, True], [True, True]]
+    with pytest.raises(ValueError, match=r"does not have: \['layers.\*.atention'\].*'layers.\*.attention'"):
+        apply_tp(_Layers(), None, {"layers.*.atention": ColwiseParallel()}, None)
+    with pytest.raises(ValueError, match=r"does not have: \['layers.\*'\]"):
+        apply_tp(mlp(), None, {"layers.*": ColwiseParallel()}, None)

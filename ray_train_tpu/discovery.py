@@ -1,6 +1,7 @@
 """From what each Ray worker reports about itself to its place in the job.
 
-Pure: the backend gathers a `WorkerInfo` per worker and calls `layout`, which
+Pure: each worker answers with a typed `WorkerReport` (`_worker_fns.report`),
+the backend turns those into a `WorkerInfo` per worker and calls `layout`, which
 checks that the workers form whole slices with one device each and returns the
 rank of every worker and the hosts in TPU worker id order, ready for
 `launch_env.launch_envs`. Nothing here depends on the order in which Ray
@@ -10,16 +11,85 @@ started the workers or the hosts registered.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import defaultdict
 from typing import Optional, Sequence
 
+from ray_train_tpu import constants as C
 from ray_train_tpu.launch_env import rank_of
 from ray_train_tpu.topology import Topology
 
 
+class Mode(str, enum.Enum):
+    """How a job's TPU workers run: on real chips, or explicitly simulated on CPU.
+
+    A ``str`` enum, so ``Mode.SIMULATE == "simulate"``.
+
+    Example:
+        >>> Mode("simulate") is Mode.SIMULATE, str(Mode.TPU)
+        (True, 'tpu')
+    """
+
+    TPU = "tpu"
+    SIMULATE = "simulate"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerReport:
+    """What one worker says about itself before the process group exists
+    (`ray_train_tpu._worker_fns.report` builds it inside the worker).
+
+    Example:
+        >>> r = WorkerReport(node_ip="10.0.0.2", node_id="n", slice_name="s", tpu_worker_id=1,
+        ...                  accelerator_type="v4-16", topology="2x2x2", tpu_ids=(3,))
+        >>> r.info(index=7, node_tpus=4).where()
+        'worker 7 on host 10.0.0.2 (TPU_NAME=s, TPU_WORKER_ID=1)'
+    """
+
+    node_ip: str
+    node_id: str
+    slice_name: Optional[str]  # TPU_NAME of the host
+    tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host (None if unset or not an integer)
+    accelerator_type: Optional[str]  # TPU_ACCELERATOR_TYPE of the host (a pod type, e.g. "v4-16")
+    topology: Optional[str]  # TPU_TOPOLOGY of the host
+    tpu_ids: tuple[int, ...] = ()  # Ray's TPU accelerator ids of this worker
+    gpu_ids: tuple[int, ...] = ()
+    mode: Mode = Mode.TPU
+    preset: dict = dataclasses.field(default_factory=dict)  # our variables already set for it
+
+    def info(self, index: int, node_tpus: float) -> "WorkerInfo":
+        """The `WorkerInfo` that `layout` ranks, for the worker at `index`."""
+        return WorkerInfo(index=index, node_ip=self.node_ip, slice_name=self.slice_name,
+                          tpu_worker_id=self.tpu_worker_id, tpu_ids=self.tpu_ids, node_tpus=node_tpus)
+
+    def as_dict(self) -> dict:
+        """The report as the dict that `ray_train_tpu.serve` reads (``worker_id``
+        as a string, ``simulate`` as a bool)."""
+        out = dataclasses.asdict(self)
+        out["worker_id"] = None if self.tpu_worker_id is None else str(out.pop("tpu_worker_id"))
+        out.pop("tpu_worker_id", None)
+        out["simulate"] = out.pop("mode") == Mode.SIMULATE
+        out["tpu_ids"], out["gpu_ids"] = list(self.tpu_ids), list(self.gpu_ids)
+        return out
+
+
+def job_mode(reports: Sequence[WorkerReport]) -> Mode:
+    """The one `Mode` of all workers; ValueError when some simulate and others not."""
+    modes = {r.mode for r in reports}
+    if len(modes) > 1:
+        raise ValueError(
+            f"{C.RAY_TRAIN_TPU_SIMULATE}=1 is set on some workers but not others; a "
+            "slice is either simulated or real: set it on every host or on none"
+        )
+    return modes.pop() if modes else Mode.TPU
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerInfo:
-    """What one worker reports before the process group exists."""
+    """What `layout` needs to rank one worker."""
 
     index: int  # position in Ray's worker group
     node_ip: str
@@ -27,7 +97,6 @@ class WorkerInfo:
     tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host
     tpu_ids: tuple[int, ...]  # Ray's TPU accelerator ids of this worker
     node_tpus: float  # TPU resources of the worker's host
-    preset: dict = dataclasses.field(default_factory=dict)  # our variables already set
 
     def where(self) -> str:
         return (

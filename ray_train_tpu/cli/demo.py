@@ -19,11 +19,13 @@ BANNER = (
 )
 
 
+ORDER = 20
+
+
 def register(subparsers, add_slice_args) -> None:
     p = subparsers.add_parser("demo", help="train on a simulated TPU slice (CPU, gloo)")
-    p.add_argument("--topology", default="4x4")
-    p.add_argument("--accelerator-type", default="TPU-V6E")
-    p.add_argument("--steps", type=int, default=12)
+    add_slice_args(p, topology="4x4", accelerator_type="TPU-V6E", num_slices=False)
+    p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
     p.add_argument("--strategy", default="ddp", help="ddp, fsdp2, tp, fsdp2+tp")
     p.set_defaults(func=run)
 
@@ -120,12 +122,12 @@ def _all_reduce_over_actors(out: TextIO, num_workers: int) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    from ray_train_tpu.cli import format_plan_table
-    from ray_train_tpu.launch_env import build_plan
+    from ray_train_tpu.cli.plan import build_plan, format_plan_table
     from ray_train_tpu.topology import Topology
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    from ray_train_tpu import _validate as V
+
+    V.check_int("", "--steps", args.steps, min=1, max=100_000, fix="e.g. --steps 12")
     topology = Topology.parse(args.topology, args.accelerator_type)
     out.write(BANNER + "\n\n")
     out.write(format_plan_table(build_plan(topology), max_rows=16))

@@ -46,7 +46,9 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
+
+from ray_train_tpu import _validate as V
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +194,9 @@ class PreemptionGuard:
     """
 
     def __init__(self, grace_period_s: float = 30.0, *, device=None):
-        self.grace_period_s = _grace_period(grace_period_s)
+        self.grace_period_s = float(V.check_number(
+            "PreemptionGuard", "grace_period_s", grace_period_s, max=24 * 3600, unit="seconds",
+            fix="use your hosts' grace period, e.g. 30 for GCE spot VMs"))
         self._device = device
         self._entered = False
 
@@ -202,7 +206,7 @@ class PreemptionGuard:
                 "PreemptionGuard: no SIGTERM handler is installed in this worker. It is installed by "
                 "TPUTorchConfig's backend: train with TPUTorchTrainer, or TorchTrainer(..., "
                 "torch_config=TPUTorchConfig()); elsewhere call "
-                "ray_train_tpu.preemption.install_handler() on the process's main thread first."
+                "ray_train_tpu.checkpoint.preemption.install_handler() on the process's main thread first."
             )
         with _state.lock:
             _state.grace_period_s = self.grace_period_s
@@ -247,9 +251,9 @@ class PreemptionGuard:
 
     def _flag_device(self):
         if self._device is None:
-            import ray_train_tpu
+            from ray_train_tpu.device import get_device
 
-            self._device = ray_train_tpu.get_device()
+            self._device = get_device()
         return self._device
 
 
@@ -264,15 +268,3 @@ def _ray_preemption_pending() -> bool:
         return get_train_context().preemption_context.preemption_info is not None
     except (ImportError, AttributeError, RuntimeError, AssertionError):
         return False  # not in a Ray Train worker, or another Ray
-
-
-def _grace_period(value) -> float:
-    import math
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= 24 * 3600:
-        raise ValueError(
-            f"PreemptionGuard.grace_period_s={value!r}: must be a finite number of seconds in (0, 86400]; "
-            "use your hosts' grace period, e.g. 30 for GCE spot VMs"
-        )
-    return float(value)

@@ -1,6 +1,7 @@
 """Run a function on a small gloo process group on CPU, one spawned process per rank.
 
-For multi-process tests without a Ray cluster: ``run(fn, world_size, *args)``
+For multi-process tests without a Ray cluster (users may import it for their
+own): ``run(fn, world_size, *args)``
 starts `world_size` fresh interpreters (``spawn``, never ``fork``: torch and
 gloo threads do not survive a fork), rendezvouses them on 127.0.0.1 over the
 loopback interface only, calls ``fn(rank, world_size, *args)`` in each and
@@ -9,42 +10,36 @@ raised in the test; the other ranks are stopped at once instead of waiting in
 a collective.
 
 Example:
-    >>> results = run(my_module.train, 4, "sgd")  # doctest: +SKIP
+    >>> from ray_train_tpu.testing import gloo
+    >>> results = gloo.run(my_module.train, 4, "sgd")  # doctest: +SKIP
 """
 
+import importlib
+import multiprocessing
 import os
+import sys
+import tempfile
+import time
+import traceback
 
-# Before torch is imported in the child (this module is the child's entry point):
-# no cloud metadata server queries from libtpu, no torch_tpu autoload.
-os.environ["TPU_SKIP_MDS_QUERY"] = "1"
-os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-
-import importlib  # noqa: E402
-import multiprocessing  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+from ray_train_tpu._host import free_port
 
 _LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind((_LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def _child(module: str, qualname: str, rank: int, world_size: int, port: int, args: tuple, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR=_LOOPBACK,
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        GLOO_SOCKET_IFNAME="lo",  # gloo's own connections stay on loopback too
-    )
+    # Before torch is imported here: no cloud metadata server queries from
+    # libtpu, no torch_tpu autoload (CPU and gloo only).
+    _environ.update({
+        **C.CPU_ONLY_ENV,
+        C.MASTER_ADDR: _LOOPBACK,
+        C.MASTER_PORT: str(port),
+        C.RANK: str(rank),
+        C.WORLD_SIZE: str(world_size),
+        "GLOO_SOCKET_IFNAME": "lo",  # gloo's own connections stay on loopback too
+    })
     try:
         import datetime
 
@@ -99,7 +94,7 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
     import torch
 
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
+    port = free_port(_LOOPBACK)
     with tempfile.TemporaryDirectory(prefix="spawn-") as out_dir:
         procs = [
             ctx.Process(

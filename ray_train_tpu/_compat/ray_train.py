@@ -1,5 +1,7 @@
 """Every touch of a Ray internal, in one small module, pinned to the Ray we test.
 
+Pinned to `constants.RAY_VERSION`; tests/unit/test_compat.py checks each seam.
+
 Ray 2.60 orders TPU workers by ``TPU_NAME`` alone
 (``WorkerGroup._sort_workers_by_tpu_pod_name``), which the whole slice shares,
 so node and local ranks end up in whatever order the workers happened to start.
@@ -23,6 +25,7 @@ import logging
 from typing import Any, Callable, List, Optional
 
 import ray
+from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
 from ray_train_tpu import _environ
@@ -30,7 +33,11 @@ from ray_train_tpu import constants as C
 
 logger = logging.getLogger(__name__)
 
-TESTED_RAY_VERSION = "2.60.0"
+TESTED_RAY_VERSION = C.RAY_VERSION
+
+# Ray Train's private torch backend (``ray.train.torch.config._TorchBackend``):
+# our backend extends it, as Ray's own TorchConfig backend does.
+RayTorchBackend = _TorchBackend
 _ORIGINAL_SORT = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"]
 _UNKNOWN = 1 << 30
 
@@ -86,12 +93,13 @@ def install_tpu_worker_order() -> None:
 
 
 def uninstall_tpu_worker_order() -> None:
+    """Give Ray Train back its own TPU worker sort."""
     WorkerGroup._sort_workers_by_tpu_pod_name = _ORIGINAL_SORT
 
 
-def tpu_worker_order_installed() -> bool:
-    current = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"]
-    return getattr(current, "__func__", None) is sort_tpu_workers
+def installed_tpu_worker_sort() -> Any:
+    """The function Ray Train now sorts TPU workers with."""
+    return getattr(WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"], "__func__", None)
 
 
 def use_cpu_device_manager() -> None:
@@ -124,20 +132,27 @@ def forbid_metadata_server() -> Callable[[], None]:
     return undo
 
 
-def alive_actors() -> list[dict]:
-    """Alive actors of the connected cluster (class name, node, pid), read from
-    the GCS: the state API needs the dashboard, which simulated clusters omit."""
+def gcs_actor_table() -> list[dict]:
+    """Every actor the GCS knows of (``ray._private.state.actors()``'s values),
+    read without the dashboard's state API."""
     from ray._private import state
 
-    out = []
-    for info in state.actors().values():
-        if info.get("State") == "ALIVE":
-            out.append({
-                "class_name": info.get("ActorClassName"),
-                "node_ip": (info.get("Address") or {}).get("IPAddress"),
-                "pid": info.get("Pid"),
-            })
-    return out
+    return list(state.actors().values())
+
+
+def load_tpu_dist_backend() -> None:
+    """Have Ray register torch_tpu's ``tpu_dist`` process-group backend (it calls
+    ``torch_tpu._loader.load()``); ImportError when torch_tpu is absent."""
+    from ray.air._internal.device_manager import register_custom_torch_dist_backend
+
+    register_custom_torch_dist_backend("tpu_dist")
+
+
+def call_in_actor(actor: Any, fn: Callable, *args, **kwargs) -> "ray.ObjectRef":
+    """Run ``fn(*args, **kwargs)`` inside any actor's process. ``__ray_call__``
+    is the undocumented method every Ray actor has: it calls
+    ``fn(actor_instance, ...)``."""
+    return actor.__ray_call__.remote(lambda _self, *a, **k: fn(*a, **k), *args, **kwargs)
 
 
 def release_failed_worker_group(worker_group: Any) -> None:

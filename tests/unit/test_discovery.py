@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_train_tpu.launch_env import launch_envs
-from ray_train_tpu.layout import LayoutError, WorkerInfo, layout
+from ray_train_tpu.discovery import LayoutError, WorkerInfo, layout
 from ray_train_tpu.topology import Topology
 
 
@@ -78,3 +78,18 @@ def test_wrong_worker_count_and_partial_slices():
     infos = _infos(t, 2, overrides={i: dict(slice_name="slice-0", tpu_worker_id=2, node_ip="127.0.9.9") for i in range(12, 16)})
     with pytest.raises(LayoutError, match=r"slice slice-0 is not whole.*unexpected \[2\]"):
         layout(infos, t, 2)
+
+
+def test_worker_report_is_typed_and_keeps_the_dict_that_serve_reads():
+    from ray_train_tpu.discovery import Mode, WorkerReport, job_mode
+
+    r = WorkerReport(node_ip="10.0.0.2", node_id="n1", slice_name="s", tpu_worker_id=1, accelerator_type="v4-16",
+                     topology="2x2x2", tpu_ids=(3,), mode=Mode.SIMULATE, preset={"MASTER_PORT": "1"})
+    assert r.info(index=5, node_tpus=4) == WorkerInfo(index=5, node_ip="10.0.0.2", slice_name="s", tpu_worker_id=1,
+                                                      tpu_ids=(3,), node_tpus=4)
+    d = r.as_dict()
+    assert d["worker_id"] == "1" and d["simulate"] is True and d["tpu_ids"] == [3] and "tpu_worker_id" not in d
+    assert {"node_ip", "slice_name", "node_id", "preset"} <= set(d)
+    assert job_mode([r, r]) is Mode.SIMULATE and Mode.SIMULATE == "simulate" and str(Mode.TPU) == "tpu"
+    with pytest.raises(ValueError, match="RAY_TRAIN_TPU_SIMULATE=1 is set on some workers but not others"):
+        job_mode([r, WorkerReport(**{**r.__dict__, "mode": Mode.TPU})])
