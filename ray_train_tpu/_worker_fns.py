@@ -63,8 +63,10 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def apply_env(env: dict, mode: Union[Mode, str]) -> None:
-    """Set the worker's environment, then make sure the device is what it says."""
+def apply_env(env: dict, mode: Union[Mode, str], unset: tuple = ()) -> None:
+    """Set the worker's environment (and remove the job variables in `unset`),
+    then make sure the device is what it says."""
+    _environ.unset(unset)
     _environ.update(env)
     if Mode(mode) is Mode.SIMULATE:
         from ray_train_tpu._compat import ray_train as compat_ray
