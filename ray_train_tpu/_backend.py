@@ -34,7 +34,7 @@ from ray_train_tpu import constants as C
 from ray_train_tpu.checkpoint.preemption import install_handler as install_preemption_handler
 from ray_train_tpu._compat import ray_train as compat_ray
 from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout
-from ray_train_tpu.launch_env import apply_preset, launch_envs
+from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type
 
@@ -89,8 +89,8 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         placement = _layout(reports, topology, num_slices)
         envs = self._worker_envs(worker_group, reports, placement, topology, num_slices, backend_config, mode)
         ray.get([
-            worker_group.execute_single_async(i, _worker_fns.apply_env, env=env, mode=mode)
-            for i, env in enumerate(envs)
+            worker_group.execute_single_async(i, _worker_fns.apply_env, env=p.env, mode=mode, unset=p.unset)
+            for i, p in enumerate(envs)
         ])
         backend = _choose_backend(backend_config.backend, mode)
         self._rendezvous(worker_group, backend, backend_config, placement)
@@ -129,12 +129,14 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             master_port=master_port,
             megascale_port=cfg.megascale_port,
         )
-        warned: set[str] = set()
         # ranks equal worker indices (checked in _layout), so computed[i] is worker i's
-        return [
-            _merge_env(env, report.preset, cfg.extra_env, warned)
-            for (_, env), report in zip(computed, reports)
-        ]
+        plans = []
+        for (place, env), report in zip(computed, reports):
+            env_plan = reconcile(env, report.preset, cfg.extra_env, fixed=_RANK_KEYS)
+            check_override(env_plan.env, place, topology, plan.hosts[place.node_rank], num_slices)
+            plans.append(env_plan)
+        _warn_env_changes(plans, cfg.extra_env)
+        return plans
 
     def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, placement: Layout):
         """Roll call, then the process group, each bounded by rendezvous_timeout_s,
@@ -243,21 +245,38 @@ def _layout(reports, topology: Topology, num_slices: int) -> Layout:
     return placement
 
 
-def _merge_env(computed: dict, preset: dict, extra: dict, warned: set) -> dict:
-    """The env to apply: computed values, except those already set for the worker
-    or given in extra_env, which win with a warning naming them; ranks (and
-    TPU_VISIBLE_CHIPS) are always computed, since Ray fixes them."""
-    for key in sorted(set(extra) & set(_RANK_KEYS) - warned):
-        warned.add(key)
+def _warn_env_changes(plans: list, extra: dict) -> None:
+    """One warning per variable (not per worker): the host's value that was
+    replaced or removed, the user's override kept, the rank override ignored."""
+    for key in sorted(set(extra) & set(_RANK_KEYS)):
         logger.warning("ray_train_tpu: ignoring TPUTorchConfig(extra_env) %s: Ray fixes the ranks", key)
-    wanted = {k: v for k, v in {**preset, **extra}.items() if k not in _RANK_KEYS}
-    env, kept = apply_preset(computed, wanted)
-    for key, (value, ours) in kept.items():
-        if key not in warned:
-            warned.add(key)
-            logger.warning("ray_train_tpu: keeping %s=%r set for the worker (computed %r)", key, value, ours)
-    env.update({k: v for k, v in wanted.items() if k not in computed and k in extra})
-    return env
+    seen: set = set()
+    for rank, p in enumerate(plans):
+        for key, (theirs, ours) in sorted(p.replaced.items()):
+            if ("replaced", key) not in seen and key not in p.overridden:
+                seen.add(("replaced", key))
+                logger.warning(
+                    "ray_train_tpu: replacing %s=%r that the host of rank %d carries with %r computed from the "
+                    "live slice (stale or foreign; to force a value use TPUTorchConfig(extra_env))",
+                    key, _short(theirs), rank, _short(ours),
+                )
+        for key in p.unset:
+            if ("unset", key) not in seen:
+                seen.add(("unset", key))
+                logger.warning(
+                    "ray_train_tpu: removing %s that the host of rank %d carries: this job does not use it",
+                    key, rank,
+                )
+        for key, (value, ours) in sorted(p.overridden.items()):
+            if ("override", key) not in seen:
+                seen.add(("override", key))
+                logger.warning(
+                    "ray_train_tpu: TPUTorchConfig(extra_env) sets %s=%r (computed %r)", key, _short(value), _short(ours)
+                )
+
+
+def _short(value: str, limit: int = 120) -> str:
+    return value if len(value) <= limit else value[:limit] + f"... ({len(value)} chars)"
 
 
 def _node_rank(rank: int, placement: Layout) -> int:

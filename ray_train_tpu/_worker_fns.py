@@ -56,8 +56,10 @@ def _tpu_worker_id(node_ip: str):
         ) from None
 
 
-def apply_env(env: dict, mode: Union[Mode, str]) -> None:
-    """Set the worker's environment, then make sure the device is what it says."""
+def apply_env(env: dict, mode: Union[Mode, str], unset: tuple = ()) -> None:
+    """Set the worker's environment (and remove the job variables in `unset`),
+    then make sure the device is what it says."""
+    _environ.unset(unset)
     _environ.update(env)
     if Mode(mode) is Mode.SIMULATE:
         from ray_train_tpu._compat import ray_train as compat_ray

@@ -15,7 +15,8 @@ Conventions are torch_tpu's own launcher's (``set_tpu_launch_env`` in
 - ``NNODES`` = hosts, ``MASTER_ADDR`` = the first host, ``MASTER_PORT`` = 29500,
   ``NODE_RANK`` = the host's TPU worker id (hosts sorted Z-major, Y, X-minor).
 - ``TORCH_TPU_TOPOLOGY`` = the whole slice's mesh bounds (``"4,4,1"``).
-- A value that is already set is kept, never overwritten (`apply_preset`).
+- Unlike the launcher, a value the host already carries is replaced (`reconcile`):
+  a Ray job's hosts may carry another slice's or job's values.
 
 Across slices (``num_slices > 1``) ranks are slice-major; each slice keeps its
 own slice-builder addresses and worker hostnames (ICI stays inside a slice),
@@ -242,23 +243,91 @@ def launch_envs(
     return [(p, shared.env(p)) for p in places]
 
 
-def apply_preset(
-    computed: Mapping[str, str], preset: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
-    """Keep values that are already set, as torch_tpu's launcher does.
+# Everything that describes the live job. Recomputed from the live worker group on
+# every attempt: a value the host already carries (a GKE webhook's, a JAX launcher's,
+# one left from an earlier slice or job) is replaced, and a job variable we do not set
+# (MEGASCALE_* on one slice) is removed.
+JOB_KEYS: tuple[str, ...] = ENV_KEYS + MEGASCALE_KEYS
 
-    Returns:
-        The environment to apply, and ``{name: (kept value, computed value)}``
-        for every preset value that differs from the computed one, so that the
-        caller can warn about each by name.
+
+@dataclasses.dataclass(frozen=True)
+class EnvPlan:
+    """What one worker's environment becomes (`reconcile`)."""
+
+    env: dict  # variables to set
+    unset: tuple  # job variables the host carries that this job must not see
+    replaced: dict  # name -> (host's value, ours): a stale or foreign value
+    overridden: dict  # name -> (extra_env's value, ours): the user's explicit override
+
+
+def reconcile(computed: Mapping[str, str], preset: Mapping[str, str], extra: Mapping[str, str],
+              *, fixed: Sequence[str] = ()) -> EnvPlan:
+    """One worker's environment: `computed` (from `launch_env`) wins over what the
+    host carries (`preset`); only ``TPUTorchConfig(extra_env=...)`` overrides it,
+    except for the `fixed` names (the ranks, which Ray decides).
+
+    Unlike torch_tpu's launcher, which never overwrites a set variable, a Ray job
+    runs on whatever hosts its placement group got, so values on the host are
+    at best equal to ours and at worst another slice's (torch_tpu's "Expected 8,
+    got 2" slice-builder error, a multi-slice hang).
+
+    Example:
+        >>> p = reconcile({"MASTER_ADDR": "10.0.0.1"}, {"MASTER_ADDR": "old", "MEGASCALE_PORT": "8081"}, {})
+        >>> p.env, p.unset, p.replaced
+        ({'MASTER_ADDR': '10.0.0.1'}, ('MEGASCALE_PORT',), {'MASTER_ADDR': ('old', '10.0.0.1')})
     """
     env = dict(computed)
-    kept: dict[str, tuple[str, str]] = {}
-    for key, value in computed.items():
-        if key in preset and preset[key] != value:
-            env[key] = preset[key]
-            kept[key] = (preset[key], value)
-    return env, kept
+    replaced = {k: (preset[k], v) for k, v in computed.items() if k in preset and preset[k] != v}
+    overridden = {}
+    for key, value in extra.items():
+        if key in fixed:
+            continue
+        if key in computed and computed[key] != value:
+            overridden[key] = (value, computed[key])
+        env[key] = value
+    unset = tuple(k for k in JOB_KEYS if k in preset and k not in env)
+    return EnvPlan(env=env, unset=unset, replaced=replaced, overridden=overridden)
+
+
+def check_override(env: Mapping[str, str], place: WorkerPlace, topology: Topology, host: str,
+                   num_slices: int) -> None:
+    """Refuse an ``extra_env`` override that cannot describe this worker's slice:
+    an address list of the wrong length or without this worker's host at its
+    rank, a hostname list of the wrong length, another slice size or slice count."""
+    def fail(key: str, rule: str) -> None:
+        value = env[key]
+        shown = value if len(value) <= 200 else value[:200] + "..."
+        raise ValueError(
+            f"TPUTorchConfig(extra_env) {key}={shown!r} {rule} (rank {place.rank} on host {host}, "
+            f"{num_slices} x {topology}); fix or remove it from extra_env: the computed value "
+            "describes the live slice"
+        )
+
+    hostnames = env.get(C.TPU_WORKER_HOSTNAMES, "").split(",")
+    if C.TPU_WORKER_HOSTNAMES in env and len(hostnames) != topology.num_hosts:
+        fail(C.TPU_WORKER_HOSTNAMES, f"must list the slice's {topology.num_hosts} hosts")
+    if C.TORCH_TPU_SLICEBUILDER_ADDRESSES in env:
+        addresses = env[C.TORCH_TPU_SLICEBUILDER_ADDRESSES].split(",")
+        if len(addresses) != topology.num_devices:
+            fail(C.TORCH_TPU_SLICEBUILDER_ADDRESSES, f"must have one address per device: {topology.num_devices}")
+        index = place.rank - place.slice_id * topology.num_devices
+        own_host, _, port = addresses[index].rpartition(":")
+        if not port.isdigit() or own_host not in (host, hostnames[place.worker_id] if len(hostnames) > place.worker_id else None):
+            fail(C.TORCH_TPU_SLICEBUILDER_ADDRESSES,
+                 f"must have this worker's host:port at index {index}, found {addresses[index]!r}")
+    if C.TORCH_TPU_TOPOLOGY in env:
+        try:
+            bounds = [int(b) for b in env[C.TORCH_TPU_TOPOLOGY].replace("x", ",").split(",")]
+        except ValueError:
+            bounds = []
+        chips = 1
+        for b in bounds[:3]:
+            chips *= b
+        if not bounds or chips != topology.num_chips:
+            fail(C.TORCH_TPU_TOPOLOGY, f"must be the mesh of a {topology.num_chips}-chip slice")
+    for key, want in ((C.MEGASCALE_NUM_SLICES, num_slices), (C.MEGASCALE_SLICE_ID, place.slice_id)):
+        if key in env and env[key] != str(want):
+            fail(key, f"must be {want}")
 
 
 def check_hosts(topology: Topology, hosts: Sequence[str], num_slices: int) -> list[str]:

@@ -68,8 +68,9 @@ def diagnose(nodes: Iterable[Mapping], probes: Optional[Mapping[str, Mapping]] =
     for host in hosts:
         if host["slice"] is not None:
             by_slice[host["slice"]].append(host)
+    cluster_ips = frozenset(n.get("NodeManagerAddress") for n in nodes)
     for name in sorted(by_slice):
-        summary, found = check_slice(name, by_slice[name])
+        summary, found = check_slice(name, by_slice[name], cluster_ips)
         slices.append(summary)
         problems += found
     problems += check_versions(hosts)
@@ -181,7 +182,7 @@ def _check_env_labels(host: Mapping, probe: Mapping) -> list[dict]:
                      "overrides what Ray derives from the host, fix one or the other", host=host)]
 
 
-def check_slice(name: str, hosts: list[dict]) -> tuple[dict, list[dict]]:
+def check_slice(name: str, hosts: list[dict], cluster_ips=frozenset()) -> tuple[dict, list[dict]]:
     """A slice's summary and problems: labels that agree, a valid topology, all of its hosts."""
     out = []
     agreed = {}
@@ -210,7 +211,50 @@ def check_slice(name: str, hosts: list[dict]) -> tuple[dict, list[dict]]:
     head = f"TPU-{topology.pod_type if topology else pod_type}-head"
     out += _check_head(name, hosts, head) if (topology or pod_type) else []
     out += _check_chips(name, hosts, topology)
+    out += _check_job_env(name, hosts, topology, cluster_ips)
     return summary, out
+
+
+def _check_job_env(name: str, hosts: list[dict], topology: Optional[Topology], cluster_ips=frozenset()) -> list[dict]:
+    """Job variables a host carries that cannot describe its slice (a webhook's for
+    another slice, a JAX-style launcher's, an earlier job's). TPUTorchConfig replaces
+    them at fit(); torch_tpu's own launcher and JAX would use them."""
+    if topology is None:
+        return []
+    out = []
+    for host in hosts:
+        env = (_probe_ok(host) or {}).get("env", {})
+        wrong = []
+        names = env.get(C.TPU_WORKER_HOSTNAMES)
+        if names is not None and len(names.split(",")) != topology.num_hosts:
+            wrong.append(f"{C.TPU_WORKER_HOSTNAMES} lists {len(names.split(','))} host(s), the slice has "
+                         f"{topology.num_hosts}")
+        addresses = env.get(C.TORCH_TPU_SLICEBUILDER_ADDRESSES)
+        if addresses is not None and len(addresses.split(",")) != topology.num_devices:
+            wrong.append(f"{C.TORCH_TPU_SLICEBUILDER_ADDRESSES} has {len(addresses.split(','))} address(es), the "
+                         f"slice has {topology.num_devices} device(s)")
+        mesh = env.get(C.TORCH_TPU_TOPOLOGY)
+        if mesh is not None and _mesh_chips(mesh) != topology.num_chips:
+            wrong.append(f"{C.TORCH_TPU_TOPOLOGY}={mesh!r} is not a {topology.num_chips}-chip slice")
+        coordinator = env.get(C.MEGASCALE_COORDINATOR_ADDRESS)
+        if coordinator is not None and coordinator.rpartition(":")[0] not in cluster_ips:
+            wrong.append(f"{C.MEGASCALE_COORDINATOR_ADDRESS}={coordinator!r} is on no node of this cluster")
+        if wrong:
+            out.append(_problem("stale_job_env", f"slice {name}: {_name(host)}: {'; '.join(wrong)}. TPUTorchConfig "
+                                "replaces these at fit(); other launchers would use them: remove them from the "
+                                "host's environment", host=host))
+    return out
+
+
+def _mesh_chips(mesh: str) -> Optional[int]:
+    try:
+        bounds = [int(b) for b in mesh.replace("x", ",").split(",")][:3]
+    except ValueError:
+        return None
+    chips = 1
+    for b in bounds:
+        chips *= b
+    return chips if bounds else None
 
 
 def _check_worker_ids(name: str, hosts: list[dict], topology: Optional[Topology]) -> list[dict]:

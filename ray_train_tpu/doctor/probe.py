@@ -20,7 +20,10 @@ SIMULATE_MISSING_MODULES = C.RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES
 
 # Packages a TPU host needs: import name -> distribution names that provide it.
 PACKAGES = {"torch_tpu": ("torch-tpu", "torch_tpu"), "libtpu": ("libtpu", "libtpu-nightly")}
-_PROBE_ENV = (C.TPU_NAME, C.TPU_WORKER_ID, C.TPU_ACCELERATOR_TYPE, C.TPU_TOPOLOGY, C.RAY_TPU_RESOURCE_PER_CHIP)
+_PROBE_ENV = (C.TPU_NAME, C.TPU_WORKER_ID, C.TPU_ACCELERATOR_TYPE, C.TPU_TOPOLOGY, C.RAY_TPU_RESOURCE_PER_CHIP,
+              # What a webhook, another launcher or an earlier job may have left on the host.
+              C.TPU_WORKER_HOSTNAMES, C.TORCH_TPU_SLICEBUILDER_ADDRESSES, C.TORCH_TPU_TOPOLOGY,
+              C.MEGASCALE_COORDINATOR_ADDRESS, C.MEGASCALE_NUM_SLICES, C.MEGASCALE_SLICE_ID)
 
 
 def probe_host(lockfile: str = C.LIBTPU_LOCKFILE) -> dict:

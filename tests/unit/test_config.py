@@ -6,7 +6,8 @@ import pytest
 from ray.train.torch import TorchConfig
 
 from ray_train_tpu import TPUTorchConfig
-from ray_train_tpu._backend import _choose_backend, _merge_env, _ranges
+from ray_train_tpu._backend import _RANK_KEYS, _choose_backend, _ranges, _warn_env_changes
+from ray_train_tpu.launch_env import reconcile
 from ray_train_tpu.topology import generation_of_pod_type as _generation_of
 
 
@@ -43,17 +44,26 @@ def test_backend_choice(caplog):
         _choose_backend("nccl", "simulate")
 
 
-def test_preset_values_are_kept_with_a_warning_but_ranks_are_ours(caplog):
+def test_host_values_are_replaced_overrides_kept_and_stale_job_variables_removed(caplog):
     computed = {"RANK": "3", "LOCAL_RANK": "3", "MASTER_PORT": "29500", "TORCH_TPU_BASE_PORT": "x",
                 "TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2"}
-    preset = {"RANK": "7", "MASTER_PORT": "1234", "TPU_WORKER_HOSTNAMES": "host-a,host-b"}
-    extra = {"LOCAL_RANK": "9", "MY_FLAG": "1"}
+    preset = {"RANK": "7", "MASTER_PORT": "1234", "TPU_WORKER_HOSTNAMES": "host-a,host-b",
+              "MEGASCALE_COORDINATOR_ADDRESS": "gone:8081"}
+    extra = {"LOCAL_RANK": "9", "MY_FLAG": "1", "TORCH_TPU_BASE_PORT": "9000"}
+    plan = reconcile(computed, preset, extra, fixed=_RANK_KEYS)
     with caplog.at_level(logging.WARNING):
-        env = _merge_env(computed, preset, extra, set())
+        _warn_env_changes([plan, plan], extra)
+    env = plan.env
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "3"  # Ray fixes ranks
-    assert env["MASTER_PORT"] == "1234" and env["TPU_WORKER_HOSTNAMES"] == "host-a,host-b"
-    assert env["MY_FLAG"] == "1"
-    assert "keeping MASTER_PORT='1234'" in caplog.text and "ignoring TPUTorchConfig(extra_env) LOCAL_RANK" in caplog.text
+    assert env["MASTER_PORT"] == "29500" and env["TPU_WORKER_HOSTNAMES"] == "10.0.0.1,10.0.0.2"
+    assert env["MY_FLAG"] == "1" and env["TORCH_TPU_BASE_PORT"] == "9000"
+    assert plan.unset == ("MEGASCALE_COORDINATOR_ADDRESS",)
+    text = caplog.text
+    assert "replacing MASTER_PORT='1234'" in text and "with '29500'" in text
+    assert text.count("replacing MASTER_PORT") == 1  # once per variable, not per worker
+    assert "removing MEGASCALE_COORDINATOR_ADDRESS" in text
+    assert "extra_env) sets TORCH_TPU_BASE_PORT='9000'" in text
+    assert "ignoring TPUTorchConfig(extra_env) LOCAL_RANK" in text
 
 
 def test_small_helpers():

@@ -377,3 +377,20 @@ def test_ray_address_from_the_environment_is_checked(monkeypatch):
 def test_doctor_is_a_command(capsys):
     code, _, _ = _run("doctor", "--help")
     assert code == 0 and "--address" in capsys.readouterr().out
+
+
+def test_job_env_that_cannot_describe_the_slice_is_reported_per_host():
+    nodes = v4_slice()  # 10.0.0.1, 10.0.0.2: a v4 2x2x2 slice, 8 devices
+    webhook = {"TPU_WORKER_HOSTNAMES": "w-0.svc,w-1.svc", "TORCH_TPU_TOPOLOGY": "2x2x2",
+               "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(f"w-{h}.svc:{8471 + i}" for h in range(2) for i in range(4))}
+    stale = {"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.9.9.1:8476,10.9.9.2:8476", "TORCH_TPU_TOPOLOGY": "4,4,1",
+             "MEGASCALE_COORDINATOR_ADDRESS": "10.8.0.1:8081"}
+    report = diagnose(nodes, probes_for(nodes, **{"10.0.0.1": probe(env=webhook), "10.0.0.2": probe(env=stale)}))
+    (p,) = checks(report, "stale_job_env")
+    assert checks(report) == ["stale_job_env"] and p["ip"] == "10.0.0.2"  # the webhook's values fit the slice
+    for text in ("TORCH_TPU_SLICEBUILDER_ADDRESSES has 2 address(es), the slice has 8",
+                 "TORCH_TPU_TOPOLOGY='4,4,1' is not a 8-chip slice",
+                 "MEGASCALE_COORDINATOR_ADDRESS='10.8.0.1:8081' is on no node"):
+        assert text in p["message"], p["message"]
+    coordinator_here = probe(env={"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.1:8081"})
+    assert diagnose(nodes, probes_for(nodes, **{"10.0.0.2": coordinator_here}))["healthy"]

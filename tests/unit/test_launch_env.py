@@ -8,7 +8,8 @@ from ray_train_tpu.cli.plan import build_plan
 from ray_train_tpu.launch_env import (
     ENV_KEYS,
     MEGASCALE_KEYS,
-    apply_preset,
+    check_override,
+    reconcile,
     launch_env,
     launch_envs,
     placeholder_hosts,
@@ -102,11 +103,46 @@ def test_bad_input_is_a_value_error_naming_the_field(kwargs, match):
         launch_env(t, hosts, **args)
 
 
-def test_apply_preset_keeps_user_values_and_reports_them():
+def test_reconcile_replaces_host_values_and_removes_stale_job_variables():
     computed = {"MASTER_PORT": "29500", "RANK": "3", "TPU_VISIBLE_CHIPS": "3"}
-    env, kept = apply_preset(computed, {"MASTER_PORT": "1111", "TPU_VISIBLE_CHIPS": "3", "OTHER": "x"})
-    assert env == {"MASTER_PORT": "1111", "RANK": "3", "TPU_VISIBLE_CHIPS": "3"}
-    assert kept == {"MASTER_PORT": ("1111", "29500")}
+    plan = reconcile(computed, {"MASTER_PORT": "1111", "TPU_VISIBLE_CHIPS": "3", "OTHER": "x",
+                                "MEGASCALE_NUM_SLICES": "4"}, {})
+    assert plan.env == computed
+    assert plan.replaced == {"MASTER_PORT": ("1111", "29500")}
+    assert plan.unset == ("MEGASCALE_NUM_SLICES",)  # a job variable; OTHER is not ours to touch
+
+
+_V4 = Topology.parse("2x2x2", "TPU-V4")
+_HOSTS = ["10.0.0.1", "10.0.0.2"]
+
+
+def _override_ok(rank, **extra):
+    place, env = launch_envs(_V4, _HOSTS, xprof_session_id="1")[rank]
+    env = {**env, **extra}
+    check_override(env, place, _V4, _HOSTS[place.node_rank], 1)
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "10.0.0.1:8471,10.0.0.2:8471", "one address per device: 8"),
+    ("TORCH_TPU_SLICEBUILDER_ADDRESSES", ",".join(f"10.0.0.1:{8070 + i}" for i in range(8)), "at index 5"),
+    ("TPU_WORKER_HOSTNAMES", "a,b,c", "the slice's 2 hosts"),
+    ("TORCH_TPU_TOPOLOGY", "4,4,1", "8-chip slice"),
+    ("TORCH_TPU_TOPOLOGY", "big", "8-chip slice"),
+    ("MEGASCALE_NUM_SLICES", "2", "must be 1"),
+])
+def test_an_override_that_cannot_describe_the_slice_is_refused_by_name(key, value, rule):
+    with pytest.raises(ValueError, match=rule) as e:
+        _override_ok(5, **{key: value})
+    assert key in str(e.value) and "extra_env" in str(e.value)
+
+
+def test_consistent_overrides_pass():
+    # Webhook-style ports and DNS names given consistently with TPU_WORKER_HOSTNAMES.
+    names = ["w-0.svc", "w-1.svc"]
+    addresses = ",".join(f"{h}:{8471 + i}" for h in names for i in range(4))
+    for rank in range(8):
+        _override_ok(rank, TORCH_TPU_SLICEBUILDER_ADDRESSES=addresses, TPU_WORKER_HOSTNAMES=",".join(names),
+                     TORCH_TPU_TOPOLOGY="2x2x2")
 
 
 _cases = st.sampled_from(
