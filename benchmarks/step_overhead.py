@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--callgrind", action="store_true",
                    help="count instructions per step on one rank per launcher under valgrind's callgrind "
                         "(load-insensitive; defaults then: --steps 20 --warmup-steps 5 --repeats 1)")
+    p.add_argument("--name", default=None,
+                   help=f"results/<name>.json; default {NAME} ({NAME}_callgrind with --callgrind)")
     p.add_argument("--keep-callgrind", metavar="DIR", help="--callgrind: copy each counted dump here")
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # internal: a torchrun child
     args = p.parse_args(argv)
@@ -532,7 +534,7 @@ def main(argv=None) -> dict:
         result["callgrind"] = summarize_callgrind(runs)
         result["note"] = ("--callgrind: steps/s and CPU times are of a run with one rank under valgrind; "
                           "only the instruction counts mean anything")
-    path = write(f"{NAME}_callgrind" if args.callgrind else NAME, result)
+    path = write(args.name or (f"{NAME}_callgrind" if args.callgrind else NAME), result)
     _print_table(result)
     _plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")
