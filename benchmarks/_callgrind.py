@@ -159,14 +159,20 @@ def top_functions(path: Path, n: int = 25, inclusive: bool = False) -> list[dict
     `inclusive` of callees), from ``callgrind_annotate``."""
     cmd = ["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}", f"--threshold=100", str(path)]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rows = []
+    merged: dict = {}
     for line in text.splitlines():
         m = _ANNOTATED.match(line)
         if m and not m.group(3).startswith("PROGRAM TOTALS"):
-            rows.append({"instructions": int(m.group(1).replace(",", "")), "percent": float(m.group(2)),
-                         "function": m.group(3).strip()[:200]})
-    rows.sort(key=lambda r: -r["instructions"])
-    return rows[:n]
+            name = m.group(3).strip()
+            if _JIT.match(name):  # oneDNN/MKL kernels generated at run time: addresses differ per run
+                name = "(run-time generated code, no symbol)"
+            row = merged.setdefault(name[:200], {"instructions": 0, "percent": 0.0, "function": name[:200]})
+            row["instructions"] += int(m.group(1).replace(",", ""))
+            row["percent"] = round(row["percent"] + float(m.group(2)), 2)
+    return sorted(merged.values(), key=lambda r: -r["instructions"])[:n]
+
+
+_JIT = re.compile(r"^\?\?\?:0x[0-9a-f]+ \[\?\?\?\]$")
 
 
 def _tail(path: Path, size: int = 4096) -> str:

@@ -26,7 +26,19 @@ records the niceness its rank 0 actually had.
 (Ray's TorchTrainer cannot set up ``tpu_dist``; torch_tpu's launcher is not a
 baseline here). Neither was run on this machine: only cpu was.
 
-Writes benchmarks/results/step_overhead.json (+ .png).
+The steps/s and CPU ratios also come paired by repeat (the launchers of one
+repeat run back to back), as a geometric mean with a 95% t-interval.
+
+``--callgrind`` counts instructions instead (load-insensitive: this VM exposes no
+hardware counters to ``perf stat``): one rank per launcher runs under valgrind's
+callgrind, instrumented only for the counted steps (benchmarks/_callgrind.py), and
+the JSON gets instructions per step per rank and the functions they went to.
+Valgrind hides AVX-512 from the process, so MKL takes its AVX2 kernels there.
+``--ddp-buckets`` runs every launcher with one DDP bucket policy (the cost of the
+exact-resume default: ``fixed`` against DDP's ``rebuild``).
+
+Writes benchmarks/results/step_overhead.json (+ .png), or
+step_overhead_callgrind.json with ``--callgrind`` (``--name`` to change).
 """
 
 from __future__ import annotations
