@@ -132,10 +132,22 @@ def parse_dump(text: str) -> dict:
     return out
 
 
+def _header(path: Path) -> str:
+    """The dump's header: everything before its first cost line (the ``cmd:`` line
+    of a Ray worker alone can be several kB)."""
+    lines = []
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            if line.startswith(("fl=", "fn=", "ob=")):
+                break
+            lines.append(line)
+    return "".join(lines)
+
+
 def find_dump(out_dir: str, label: str) -> Path:
     want = f"{DUMP_PREFIX}:{label}"
     for f in sorted(Path(out_dir).glob("callgrind.out.*")):
-        info = parse_dump(f.read_text(errors="replace")[:4096])
+        info = parse_dump(_header(f))
         if any(want in d for d in info.get("desc", [])):
             return f
     raise RuntimeError(f"no callgrind dump named {want!r} under {out_dir}")
@@ -143,7 +155,7 @@ def find_dump(out_dir: str, label: str) -> Path:
 
 def read_counts(path: Path) -> dict:
     """Instructions (``Ir``) in one dump, all threads."""
-    info = parse_dump(path.read_text(errors="replace")[:4096] + "\n" + _tail(path))
+    info = parse_dump(_header(path) + "\n" + _tail(path))
     events = info.get("events", "Ir").split()
     total = info.get("totals") or info.get("summary")
     if total is None:

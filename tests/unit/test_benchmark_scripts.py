@@ -199,7 +199,7 @@ _DUMP = """# callgrind format
 version: 1
 creator: callgrind-3.19.0
 pid: 4242
-cmd:  python default_worker.py
+cmd:  python default_worker.py {long_args}
 part: 1
 
 desc: I1 cache: 
@@ -220,9 +220,9 @@ totals: {n}
 def test_callgrind_dump_is_found_by_label_and_read(tmp_path):
     from benchmarks import _callgrind
 
-    (tmp_path / "callgrind.out.4242").write_text(_DUMP.format(label="x", n=5).replace(
+    (tmp_path / "callgrind.out.4242").write_text(_DUMP.format(label="x", n=5, long_args="").replace(
         "Client Request: rtt_steps:x", "Program termination"))  # the exit dump: not ours
-    (tmp_path / "callgrind.out.4242.1").write_text(_DUMP.format(label="ours", n=123456))
+    (tmp_path / "callgrind.out.4242.1").write_text(_DUMP.format(label="ours", n=123456, long_args="--arg " * 3000))
     dump = _callgrind.find_dump(str(tmp_path), "ours")
     assert dump.name == "callgrind.out.4242.1"
     assert _callgrind.read_counts(dump) == {"pid": "4242", "instructions": 123456}
