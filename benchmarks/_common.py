@@ -41,7 +41,25 @@ def environment(simulated: bool) -> dict:
         "memory_gib": round(mem_gib, 1) if mem_gib else None,
         "commit": commit,
         "versions": {m: version(m) for m in ("ray", "torch", "torchdata")},
+        "cpu": cpu_info(),
     }
+
+
+def cpu_info() -> dict:
+    """CPU model and flags (results differ by CPU; the VM may hide some flags)."""
+    model, flags = None, []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model is None:
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return {"model": model, "isa": isa, "flags": " ".join(flags)}
 
 
 def write(name: str, payload: dict) -> Path:

@@ -26,7 +26,19 @@ records the niceness its rank 0 actually had.
 (Ray's TorchTrainer cannot set up ``tpu_dist``; torch_tpu's launcher is not a
 baseline here). Neither was run on this machine: only cpu was.
 
-Writes benchmarks/results/step_overhead.json (+ .png).
+The steps/s and CPU ratios also come paired by repeat (the launchers of one
+repeat run back to back), as a geometric mean with a 95% t-interval.
+
+``--callgrind`` counts instructions instead (load-insensitive: this VM exposes no
+hardware counters to ``perf stat``): one rank per launcher runs under valgrind's
+callgrind, instrumented only for the counted steps (benchmarks/_callgrind.py), and
+the JSON gets instructions per step per rank and the functions they went to.
+Valgrind hides AVX-512 from the process, so MKL takes its AVX2 kernels there.
+``--ddp-buckets`` runs every launcher with one DDP bucket policy (the cost of the
+exact-resume default: ``fixed`` against DDP's ``rebuild``).
+
+Writes benchmarks/results/step_overhead.json (+ .png), or
+step_overhead_callgrind.json with ``--callgrind`` (``--name`` to change).
 """
 
 from __future__ import annotations
@@ -34,24 +46,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
+from benchmarks import _callgrind  # noqa: E402
 
 NAME = "step_overhead"
 LAUNCHERS = ("ours", "torch_trainer", "torchrun")
+DDP_BUCKETS = ("default", "fixed", "rebuild", "find_unused")
 CPU_NOTE = ("CPU seconds per step (all threads, mean over ranks), ours / other: lower is better, 1.0 = no "
             "overhead. The targets are on wall-clock steps/s; this says whether a wall-clock gap is work "
             "the framework adds or time the processes waited for a core on the shared machine.")
 TARGETS = {"ours_over_torchrun": 0.98, "ours_over_torch_trainer": 1.0}
+PAIRED_NOTE = ("ours / other per repeat (the launchers of one repeat run back to back), geometric mean and 95% "
+               "t-interval over repeats; an interval that contains 1.0 cannot tell the launchers apart")
 NOTE = ("Absolute times on this shared 2-core machine are noise; compare the ratios, measured side by "
         "side in one run with the launchers interleaved and rotated (A B C, B C A, C A B, ...).")
 
@@ -76,10 +95,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU, for MFU (cuda)")
     p.add_argument("--ray-worker-niceness", type=int, default=0,
                    help="RAY_worker_niceness for the Ray cluster we start (Ray's default is 15); -1 keeps Ray's")
+    p.add_argument("--ddp-buckets", choices=DDP_BUCKETS, default="default",
+                   help="DDP gradient buckets for every launcher: 'default' = each launcher's own (ours: fixed "
+                        "order for exact resume; Ray and torchrun: DDP's rebuild after step 1); 'fixed', "
+                        "'rebuild' or 'find_unused' (find_unused_parameters=True) for all")
+    p.add_argument("--callgrind", action="store_true",
+                   help="count instructions per step on one rank per launcher under valgrind's callgrind "
+                        "(load-insensitive; defaults then: --steps 20 --warmup-steps 5 --repeats 1)")
+    p.add_argument("--name", default=None,
+                   help=f"results/<name>.json; default {NAME} ({NAME}_callgrind with --callgrind)")
+    p.add_argument("--keep-callgrind", metavar="DIR", help="--callgrind: copy each counted dump here")
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # internal: a torchrun child
     args = p.parse_args(argv)
     if args.worker_config:
         return args
+    if args.callgrind:
+        given = set(argv if argv is not None else sys.argv[1:])
+        for flag, value in (("--steps", 20), ("--warmup-steps", 5), ("--repeats", 1)):
+            if flag not in given and not any(a.startswith(flag + "=") for a in given):
+                setattr(args, flag[2:].replace("-", "_"), value)
+        missing = _callgrind.available()
+        if missing:
+            p.error(f"--callgrind: {missing}")
+        if args.device != "cpu":
+            p.error("--callgrind runs on --device cpu only")
     given = args.launchers
     if given is None:
         given = "ours" if args.device == "tpu" else ",".join(LAUNCHERS)
@@ -120,24 +159,45 @@ def _setup(cfg):
     import torch.distributed as dist
 
     launcher = cfg["launcher"]
+    buckets = cfg.get("ddp_buckets", "default")
     if launcher == "ours":
         import ray_train_tpu
 
-        return ray_train_tpu.get_device(), ray_train_tpu.prepare_model
+        return ray_train_tpu.get_device(), ray_train_tpu.prepare_model  # the trainer's DDPStrategy
+    find_unused = buckets == "find_unused"
     if launcher == "torch_trainer":
         import ray.train.torch
 
-        return ray.train.torch.get_device(), ray.train.torch.prepare_model
+        device = ray.train.torch.get_device()
+        if buckets == "fixed":  # Ray's prepare_model builds plain DDP: wrap it the way DDPStrategy does
+            from ray_train_tpu.strategies.ddp import fixed_order_ddp
+
+            return device, lambda m: fixed_order_ddp(m.to(device))
+        kwargs = {"find_unused_parameters": True} if find_unused else None
+        return device, lambda m: ray.train.torch.prepare_model(m, parallel_strategy_kwargs=kwargs)
     from torch.nn.parallel import DistributedDataParallel
 
+    from ray_train_tpu.strategies.ddp import fixed_order_ddp
+
+    wrap = fixed_order_ddp if buckets == "fixed" else DistributedDataParallel
+    kwargs = {} if buckets == "fixed" else {"find_unused_parameters": find_unused}
     if cfg["device"] == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl")
         device = torch.device("cuda", local_rank)
-        return device, lambda m: DistributedDataParallel(m.to(device), device_ids=[device])
+        return device, lambda m: wrap(m.to(device), device_ids=[device], **kwargs)
     dist.init_process_group("gloo")
-    return torch.device("cpu"), lambda m: DistributedDataParallel(m)
+    return torch.device("cpu"), lambda m: wrap(m, **kwargs)
+
+
+def ours_strategy(buckets: str):
+    """The DDPStrategy `ours` trains with for a --ddp-buckets choice."""
+    from ray_train_tpu.strategies import DDPStrategy
+
+    if buckets == "default":
+        return DDPStrategy()
+    return DDPStrategy(fixed_bucket_order=buckets == "fixed", find_unused_parameters=buckets == "find_unused")
 
 
 def _sync(device):
@@ -179,10 +239,15 @@ def train_loop(cfg: dict) -> dict:
     peak = cfg["peak_tflops"] * 1e12 if cfg.get("peak_tflops") else None
     meter = ThroughputMeter(flops_per_sample=6 * n_params * cfg["seq_len"], tokens_per_sample=cfg["seq_len"],
                             peak_flops_per_device=peak, world_size=world)
+    marker = _callgrind.Marker.from_env()  # only in the one process counted by callgrind
     start, cpu_start = time.perf_counter(), time.process_time()
     meter.reset()
+    if marker:
+        marker.start()
     for _ in range(cfg["steps"]):
         loss = step()
+    if marker:
+        marker.stop(cfg["launcher"])
     loss.item()  # waits for the device (cuda, tpu) to finish the last step
     _sync(device)
     dist.barrier()
@@ -232,37 +297,53 @@ def _torchrun_child(cfg_json: str) -> None:
 
 # --- launchers ------------------------------------------------------------------
 
-def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600) -> dict:
+def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600, callgrind_dir: Optional[str] = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rtt_step_") as tmp:
         out = Path(tmp) / "rank0.json"
         cfg = {**cfg, "launcher": "torchrun", "out": str(out)}
         env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
         if cfg["device"] == "cpu":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo stays on loopback
+        entry = []
+        if callgrind_dir:  # rank 0 runs under callgrind, through a python stand-in
+            entry = ["--no-python", str(_callgrind.write_wrapper(Path(tmp) / "python.sh", sys.executable,
+                                                                  callgrind_dir, rank_env="RANK"))]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               os.path.abspath(__file__), "--worker-config", json.dumps(cfg)]
+               *entry, os.path.abspath(__file__), "--worker-config", json.dumps(cfg)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"torchrun failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
-def run_ray(launcher: str, cfg: dict, args, storage: str, index: int) -> dict:
+def run_ray(launcher: str, cfg: dict, args, storage: str, index: int, callgrind_dir: Optional[str] = None) -> dict:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ray_train_tpu import TPUScalingConfig, TPUTorchTrainer
 
     cfg = {**cfg, "launcher": launcher}
+    worker_env = None
+    if callgrind_dir:  # the first train worker to start runs under callgrind
+        wrapper = _callgrind.write_wrapper(Path(callgrind_dir) / "python.sh", sys.executable, callgrind_dir,
+                                           rank_env=None)
+        worker_env = {"py_executable": str(wrapper)}
     run_config = ray.train.RunConfig(name=f"{NAME}_{launcher}_{index}", storage_path=storage,
-                                     failure_config=ray.train.FailureConfig(max_failures=0))
+                                     failure_config=ray.train.FailureConfig(max_failures=0),
+                                     worker_runtime_env=worker_env)
     gpu = args.device == "cuda"
     n = _num_workers(args)
     if launcher == "ours":
         scaling = (ray.train.ScalingConfig(num_workers=n, use_gpu=True) if gpu else
                    TPUScalingConfig(topology=args.topology, accelerator_type=args.accelerator_type))
+        torch_config = None
+        if callgrind_dir:  # the counted worker starts slowly under valgrind
+            from ray_train_tpu import TPUTorchConfig
+
+            torch_config = TPUTorchConfig(rendezvous_timeout_s=900)
         trainer = TPUTorchTrainer(_ray_loop, train_loop_config=cfg, scaling_config=scaling,
-                                  run_config=run_config, strategy="ddp")
+                                  run_config=run_config, torch_config=torch_config,
+                                  strategy=ours_strategy(cfg.get("ddp_buckets", "default")))
     else:
         trainer = TorchTrainer(_ray_loop, train_loop_config=cfg, run_config=run_config,
                                scaling_config=ray.train.ScalingConfig(num_workers=n, use_gpu=gpu),
@@ -296,7 +377,11 @@ def set_cluster_env(ray_worker_niceness: int, **extra: str) -> None:
 
 def _ray_cluster(args):
     """The cluster the Ray launchers use: a simulated slice on cpu, else the local/attached one."""
-    set_cluster_env(args.ray_worker_niceness)
+    slow_start = {}
+    if args.callgrind:  # a worker under valgrind takes minutes to register and start
+        slow_start = {"RAY_worker_register_timeout_seconds": "900",
+                      "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900"}
+    set_cluster_env(args.ray_worker_niceness, **slow_start)
     if args.device == "cpu":
         from ray_train_tpu.testing import simulated_tpu_cluster
 
@@ -325,6 +410,26 @@ def rotated(launchers: list, repeat: int) -> list:
 
 # --- summary --------------------------------------------------------------------
 
+def summarize_callgrind(runs: list[dict]) -> dict:
+    """Median instructions per step per launcher (one counted rank per run) and
+    the ratios ours / other (1.0 = no added work; lower is better)."""
+    per = {}
+    for name in LAUNCHERS:
+        mine = [r["callgrind"] for r in runs if r["launcher"] == name and r.get("callgrind")]
+        if mine:
+            values = [c["instructions_per_step"] for c in mine]
+            per[name] = {"instructions_per_step": statistics.median(values), "each_run": values}
+    ratios = {}
+    for other in ("torchrun", "torch_trainer"):
+        if "ours" in per and other in per:
+            ratios[f"ours_over_{other}"] = per["ours"]["instructions_per_step"] / per[other]["instructions_per_step"]
+    return {"launchers": per, "ratios": ratios,
+            "note": ("valgrind callgrind on one rank: instructions from the first to the last counted step, "
+                     "all threads (the Python loop, gloo's threads, and the launcher's: Ray's core worker "
+                     "threads do work per second, not per step, and callgrind slows the process ~50x, so "
+                     "their share is inflated here)")}
+
+
 def summarize(runs: list[dict]) -> dict:
     """Medians per launcher, ratios and targets from the individual runs."""
     per = {}
@@ -346,8 +451,39 @@ def summarize(runs: list[dict]) -> dict:
             targets[key] = {"target": f">= {target}", "measured": ratios[key], "met": ratios[key] >= target}
             if per["ours"]["median_cpu_ms_per_step"] and per[other]["median_cpu_ms_per_step"]:
                 cpu[key] = per["ours"]["median_cpu_ms_per_step"] / per[other]["median_cpu_ms_per_step"]
+    paired = {}
+    for key in TARGETS:
+        other = key.split("_over_", 1)[1]
+        for metric in ("steps_per_s", "cpu_ms_per_step"):
+            ci = paired_ratio_ci(runs, "ours", other, metric)
+            if ci:
+                paired.setdefault(key, {})[metric] = ci
     return {"launchers": per, "ratios": ratios, "targets": targets,
-            "cpu_per_step_ratios": cpu, "cpu_per_step_ratios_note": CPU_NOTE}
+            "cpu_per_step_ratios": cpu, "cpu_per_step_ratios_note": CPU_NOTE,
+            "paired_ratios": paired, "paired_ratios_note": PAIRED_NOTE}
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (then ~normal).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def paired_ratio_ci(runs: list[dict], a: str, b: str, key: str) -> Optional[dict]:
+    """Ratio a/b of `key`, paired by repeat (both ran in the same rotation, minutes
+    apart): geometric mean of the per-repeat ratios and its 95% t-interval, on
+    logs. None with fewer than two pairs."""
+    by = {}
+    for r in runs:
+        if r.get(key):
+            by.setdefault(r.get("repeat"), {})[r["launcher"]] = r[key]
+    logs = [math.log(v[a] / v[b]) for v in by.values() if a in v and b in v]
+    if len(logs) < 2:
+        return None
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = _T975[min(len(logs) - 1, len(_T975)) - 1] * sd / math.sqrt(len(logs))
+    return {"ratio": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)], "pairs": len(logs),
+            "per_repeat": [math.exp(x) for x in logs]}
 
 
 def _median(values):
@@ -360,9 +496,9 @@ def main(argv=None) -> dict:
     if args.worker_config:
         _torchrun_child(args.worker_config)
         return {}
-    ship_to_ray_workers(sys.modules[__name__])
+    ship_to_ray_workers(sys.modules[__name__], _callgrind)
     cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "steps", "batch_size", "seq_len", "dim",
-                                         "hidden", "layers", "peak_tflops")}
+                                         "hidden", "layers", "peak_tflops", "ddp_buckets")}
     n = _num_workers(args)
     runs, started = [], time.perf_counter()
     ray_launchers = [name for name in args.launchers if name != "torchrun"]
@@ -371,12 +507,27 @@ def main(argv=None) -> dict:
             for repeat in range(args.repeats):
                 for name in rotated(args.launchers, repeat):
                     t0 = time.perf_counter()
-                    run = (run_torchrun(cfg, n) if name == "torchrun"
-                           else run_ray(name, cfg, args, storage, repeat))
+                    with (tempfile.TemporaryDirectory(prefix="rtt_cg_") if args.callgrind
+                          else contextlib.nullcontext()) as cg_dir:
+                        run = (run_torchrun(cfg, n, timeout_s=1800 if cg_dir else 600, callgrind_dir=cg_dir)
+                               if name == "torchrun" else run_ray(name, cfg, args, storage, repeat, cg_dir))
+                        if cg_dir:
+                            dump = _callgrind.find_dump(cg_dir, name)
+                            counts = _callgrind.read_counts(dump)
+                            run["callgrind"] = {**counts, "instructions_per_step": counts["instructions"] / args.steps,
+                                                "top_functions_self": _callgrind.top_functions(dump)}
+                            if args.keep_callgrind:
+                                Path(args.keep_callgrind).mkdir(parents=True, exist_ok=True)
+                                kept = Path(args.keep_callgrind) / f"callgrind.{name}.{repeat}.out"
+                                shutil.copy(dump, kept)
+                                run["callgrind"]["dump"] = str(kept)
                     run.update(repeat=repeat, wall_s=time.perf_counter() - t0)
                     runs.append(run)
+                    cg = run.get("callgrind")
                     print(f"repeat {repeat} {name:14} {run['steps_per_s']:8.2f} steps/s  "
-                          f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)", flush=True)
+                          f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)"
+                          + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank" if cg else ""),
+                          flush=True)
     summary = summarize(runs)
     result = {
         "question": "does the framework add per-step overhead over torchrun and Ray's TorchTrainer?",
@@ -385,12 +536,17 @@ def main(argv=None) -> dict:
         "tested_here": args.device == "cpu",
         "note": NOTE if args.device == "cpu" else "absolute throughput on real accelerators",
         "settings": {**cfg, "num_workers": n, "repeats": args.repeats, "launchers": args.launchers,
+                     "callgrind": args.callgrind,
                      "topology": args.topology if args.device != "cuda" else None,
                      "accelerator_type": args.accelerator_type if args.device != "cuda" else None,
                      "ray_worker_niceness": args.ray_worker_niceness, "torch_threads_per_process": 1},
         "runs": runs, **summary, "total_wall_s": time.perf_counter() - started,
     }
-    path = write(NAME, result)
+    if args.callgrind:
+        result["callgrind"] = summarize_callgrind(runs)
+        result["note"] = ("--callgrind: steps/s and CPU times are of a run with one rank under valgrind; "
+                          "only the instruction counts mean anything")
+    path = write(args.name or (f"{NAME}_callgrind" if args.callgrind else NAME), result)
     _print_table(result)
     _plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")
@@ -411,6 +567,11 @@ def _print_table(result):
         cpu = result["cpu_per_step_ratios"].get(key)
         print(f"  {key:26} {t['measured']:.3f}  target {t['target']}: {'met' if t['met'] else 'NOT met'}"
               + (f"   (CPU per step ratio {cpu:.3f})" if cpu else ""))
+        for metric, ci in result.get("paired_ratios", {}).get(key, {}).items():
+            print(f"    paired {metric:16} {ci['ratio']:.3f}  95% CI [{ci['ci95'][0]:.3f}, {ci['ci95'][1]:.3f}] "
+                  f"over {ci['pairs']} repeats")
+    for key, ratio in result.get("callgrind", {}).get("ratios", {}).items():
+        print(f"  callgrind instructions per step {key}: {ratio:.3f}")
 
 
 def _plot(result, path):

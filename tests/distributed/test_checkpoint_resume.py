@@ -67,10 +67,12 @@ def _build(strategy, rank):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2)).to(ray_train_tpu.get_device())
     if strategy == "ddp":
-        # DDP rebuilds its gradient buckets after its first iteration, so a
-        # restarted DDP would sum its first step in another order (last-bit
-        # differences with > 2 ranks); find_unused_parameters=True never rebuilds.
-        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        # The default DDPStrategy, no flags: its gradient buckets are fixed before
+        # the first step, so the restarted DDP sums its first step in the same
+        # order as the uninterrupted run (plain DDP rebuilds them after its first
+        # step and differed in the last bits with > 2 ranks; issue 17, part 4).
+        model = ray_train_tpu.prepare_model(model)
+        assert type(model).__name__ == "FixedOrderDDP"
     else:
         from torch.distributed.fsdp import fully_shard
 

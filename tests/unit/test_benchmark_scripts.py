@@ -177,3 +177,130 @@ def test_strategy_memory_summary_ratio():
     assert s["full_state_bytes"] == 25 * 16 and s["ddp_over_world_bytes"] == 100
     assert s["fsdp2_target"]["measured"] == pytest.approx(1.04) and s["fsdp2_target"]["met"] is True
     assert rows[2]["state_over_ddp_per_world"] == pytest.approx(1.2)
+
+
+# --- step_overhead --callgrind ------------------------------------------------------
+
+def test_callgrind_mode_defaults_to_few_steps_but_keeps_given_values():
+    args = step_overhead.parse_args(["--callgrind"])
+    assert (args.steps, args.warmup_steps, args.repeats) == (20, 5, 1)
+    args = step_overhead.parse_args(["--callgrind", "--steps", "7", "--repeats=2"])
+    assert (args.steps, args.warmup_steps, args.repeats) == (7, 5, 2)
+    assert step_overhead.parse_args([]).steps == 300  # timing mode unchanged
+
+
+def test_callgrind_mode_is_cpu_only(capsys):
+    with pytest.raises(SystemExit):
+        step_overhead.parse_args(["--callgrind", "--device", "cuda"])
+    assert "--callgrind runs on --device cpu only" in capsys.readouterr().err
+
+
+_DUMP = """# callgrind format
+version: 1
+creator: callgrind-3.19.0
+pid: 4242
+cmd:  python default_worker.py {long_args}
+part: 1
+
+desc: I1 cache: 
+desc: Timerange: Basic block 0 - 99
+desc: Trigger: Client Request: rtt_steps:{label}
+
+positions: line
+events: Ir
+summary: {n}
+
+fn=(1) main
+0 {n}
+
+totals: {n}
+"""
+
+
+def test_callgrind_dump_is_found_by_label_and_read(tmp_path):
+    from benchmarks import _callgrind
+
+    (tmp_path / "callgrind.out.4242").write_text(_DUMP.format(label="x", n=5, long_args="").replace(
+        "Client Request: rtt_steps:x", "Program termination"))  # the exit dump: not ours
+    (tmp_path / "callgrind.out.4242.1").write_text(_DUMP.format(label="ours", n=123456, long_args="--arg " * 3000))
+    dump = _callgrind.find_dump(str(tmp_path), "ours")
+    assert dump.name == "callgrind.out.4242.1"
+    assert _callgrind.read_counts(dump) == {"pid": "4242", "instructions": 123456}
+    with pytest.raises(RuntimeError, match="no callgrind dump named 'rtt_steps:torchrun'"):
+        _callgrind.find_dump(str(tmp_path), "torchrun")
+
+
+def _fake_valgrind(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "valgrind"
+    fake.write_text('#!/bin/sh\necho "valgrind RTT_CALLGRIND=$RTT_CALLGRIND"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_callgrind_wrapper_counts_one_process(tmp_path, monkeypatch):
+    import subprocess
+
+    from benchmarks import _callgrind
+
+    _fake_valgrind(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    first_come = _callgrind.write_wrapper(tmp_path / "ray.sh", "/bin/echo", str(out), rank_env=None)
+    runs = [subprocess.run([str(first_come), "worker"], capture_output=True, text=True).stdout for _ in range(3)]
+    assert runs == ["valgrind RTT_CALLGRIND=1\n", "worker\n", "worker\n"]  # the first to start, only
+    by_rank = _callgrind.write_wrapper(tmp_path / "torchrun.sh", "/bin/echo", str(out), rank_env="RANK")
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    got = {r: subprocess.run([str(by_rank), "w"], capture_output=True, text=True, env={**env, "RANK": r}).stdout
+           for r in ("0", "1")}
+    assert got == {"0": "valgrind RTT_CALLGRIND=1\n", "1": "w\n"}
+
+
+def test_marker_refuses_to_run_outside_valgrind(monkeypatch):
+    from benchmarks import _callgrind
+
+    if _callgrind.available():
+        pytest.skip(_callgrind.available())
+    assert _callgrind.Marker.from_env({}) is None
+    with pytest.raises(RuntimeError, match="not running under valgrind"):
+        _callgrind.Marker.from_env({_callgrind.ENV_FLAG: "1"})
+
+
+def test_callgrind_summary_ratios():
+    runs = [{"launcher": "ours", "callgrind": {"instructions_per_step": 110.0}},
+            {"launcher": "torchrun", "callgrind": {"instructions_per_step": 100.0}},
+            {"launcher": "torch_trainer", "callgrind": {"instructions_per_step": 120.0}},
+            {"launcher": "ours", "callgrind": {"instructions_per_step": 130.0}},
+            {"launcher": "ours", "callgrind": {"instructions_per_step": 90.0}}]
+    s = step_overhead.summarize_callgrind(runs)
+    assert s["launchers"]["ours"]["instructions_per_step"] == 110.0
+    assert s["ratios"] == {"ours_over_torchrun": pytest.approx(1.1), "ours_over_torch_trainer": pytest.approx(110 / 120)}
+
+
+def test_ddp_bucket_choices_map_to_ours_strategy():
+    assert step_overhead.ours_strategy("default").fixed_bucket_order is True
+    assert step_overhead.ours_strategy("rebuild").fixed_bucket_order is False
+    s = step_overhead.ours_strategy("find_unused")
+    assert s.find_unused_parameters is True and s.fixed_bucket_order is False
+
+
+def test_every_benchmark_records_the_cpu():
+    from benchmarks._common import environment
+
+    cpu = environment(simulated=False)["cpu"]
+    assert cpu["model"] and cpu["flags"] and set(cpu["isa"]) <= set(cpu["flags"].split())
+
+
+def test_paired_ratio_interval():
+    runs = [_run("ours", 10.0, 0), _run("torchrun", 10.0, 0), _run("ours", 11.0, 1), _run("torchrun", 10.0, 1),
+            _run("ours", 9.0, 2), _run("torchrun", 10.0, 2)]
+    ci = step_overhead.paired_ratio_ci(runs, "ours", "torchrun", "steps_per_s")
+    assert ci["pairs"] == 3 and ci["ci95"][0] < 1.0 < ci["ci95"][1]
+    assert ci["ratio"] == pytest.approx((1.0 * 1.1 * 0.9) ** (1 / 3))
+    tight = [_run("ours", 10.5 + 0.01 * i, i) for i in range(5)] + [_run("torchrun", 10.0, i) for i in range(5)]
+    ci = step_overhead.paired_ratio_ci(tight, "ours", "torchrun", "steps_per_s")
+    assert 1.0 < ci["ci95"][0] < ci["ratio"] < ci["ci95"][1] < 1.06
+    assert step_overhead.paired_ratio_ci(runs[:2], "ours", "torchrun", "steps_per_s") is None
+    s = step_overhead.summarize(runs)
+    assert s["paired_ratios"]["ours_over_torchrun"]["cpu_ms_per_step"]["pairs"] == 3

@@ -130,9 +130,52 @@ def _strategy(case: str, world_size: int) -> tuple[Strategy, int]:
     }[case]
 
 
+RESUME_AT = 3
+
+
+def _resume_model() -> nn.Module:
+    torch.manual_seed(SEED)
+    # ~200k parameters (0.8 MB): DDP's rebuilt bucket order differs from its first one
+    return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))])
+
+
+def _resume_run(rank: int, strategy: DDPStrategy, state=None, steps=range(STEPS)):
+    model = _resume_model()
+    if state:
+        model.load_state_dict(state[0])
+    model = strategy.parallelize(model, torch.device("cpu"))
+    opt = optimizer("adamw", model.parameters())
+    if state:
+        opt.load_state_dict(state[1])
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        loss = model(torch.randn(16, 64, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt
+
+
+def _resume_diffs(rank: int) -> dict:
+    """Max abs difference, uninterrupted run vs one rebuilt from its state after
+    RESUME_AT steps (as from a checkpoint), with and without a fixed bucket order."""
+    import copy
+
+    out = {}
+    for name, strategy in (("fixed", DDPStrategy()), ("rebuild", DDPStrategy(fixed_bucket_order=False))):
+        full, _ = _resume_run(rank, strategy)
+        model, opt = _resume_run(rank, strategy, steps=range(RESUME_AT))
+        state = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
+        resumed, _ = _resume_run(rank, strategy, state, steps=range(RESUME_AT, STEPS))
+        out[name] = max_abs_diff(full.module.state_dict(), resumed.module.state_dict())
+    return out
+
+
 def _train_case(rank: int, world_size: int, case: str) -> dict:
     """Train `case` with every optimizer; one mesh per case (meshes cost group set-ups)."""
     cpu = torch.device("cpu")
+    if case == "ddp_resume":
+        return {"adamw": _resume_diffs(rank)}
     if case == "no_grad_avg":  # negative control: each rank trains alone on its shard
         out = {}
         for opt_name in OPTIMIZERS:
@@ -174,7 +217,7 @@ def _train_all(rank: int, world_size: int, cases: tuple) -> dict:
 # Fixtures: one spawned world per size ----------------------------------------------------
 
 CASES_2 = ("ddp", "tp")
-CASES_4 = ("ddp", "fsdp2", "fsdp2_hsdp", "fsdp2_bf16", "fsdp2+tp", "model_parallel", "no_grad_avg")
+CASES_4 = ("ddp", "fsdp2", "fsdp2_hsdp", "fsdp2_bf16", "fsdp2+tp", "model_parallel", "no_grad_avg", "ddp_resume")
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +227,7 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return _spawn.run(_train_all, 4, CASES_4, timeout_s=360)
+    return _spawn.run(_train_all, 4, CASES_4, timeout_s=480)
 
 
 @pytest.fixture(scope="module")
@@ -384,8 +427,58 @@ def test_ddp_passes_device_ids_only_on_cuda(monkeypatch, device, expected):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(ddp_module, "to_device", lambda model, device: model)
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda model, **kw: calls.append(kw) or model)
+    fixed = []
+    monkeypatch.setattr(ddp_module, "fixed_order_ddp", lambda model, **kw: fixed.append(kw) or model)
     DDPStrategy().parallelize(mlp(), torch.device(device))
+    assert fixed == [expected] and calls == []  # exact resume is the default
+    DDPStrategy(fixed_bucket_order=False).parallelize(mlp(), torch.device(device))
     assert calls == [{"find_unused_parameters": False, **expected}]
+    DDPStrategy(find_unused_parameters=True).parallelize(mlp(), torch.device(device))  # never rebuilds anyway
+    assert calls[-1] == {"find_unused_parameters": True, **expected} and len(fixed) == 1
+
+
+def test_fixed_order_ddp_buckets_are_fixed_from_the_first_step_last_layer_first(tmp_path):
+    """The buckets of the first step are those of every later step (no rebuild), and
+    the last layer's gradients, which backward produces first, are reduced first."""
+    import pickle
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        torch.manual_seed(0)
+        # 2.4 MB, 24 kB, 44 kB, 2 MB of float32: more than DDP's 1 MB first bucket
+        model = nn.Sequential(nn.Linear(1000, 600), nn.Linear(600, 10), nn.Linear(10, 1000), nn.Linear(1000, 500))
+        ddp = ddp_module.fixed_order_ddp(model)
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+        assert pickle.loads(pickle.dumps(type(ddp))) is type(ddp)  # the class pickles by name
+        layouts = []
+        for _ in range(3):
+            ddp(torch.randn(4, 1000)).sum().backward()
+            layouts.append([[tuple(p.shape) for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()])
+        assert layouts[0] == layouts[1] == layouts[2]
+        assert layouts[0][0] == [(500,), (500, 1000)]  # the last layer, alone in the first (1 MB) bucket
+        assert layouts[0][-1][-1] == (600, 1000)  # the first layer, last
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_flags_must_be_bools():
+    for field in ("find_unused_parameters", "fixed_bucket_order"):
+        with pytest.raises(TypeError, match=rf"DDPStrategy\({field}='yes'\) must be True or False"):
+            DDPStrategy(**{field: "yes"})
+
+
+def test_ddp_resume_is_bitwise_exact_with_the_default_fixed_bucket_order(world4):
+    """A DDP run rebuilt from a copy of its state after RESUME_AT steps ends bitwise
+    equal to the uninterrupted run with the default strategy. Control: with DDP's
+    own bucket rebuild (fixed_bucket_order=False) the resumed run's first step sums
+    the gradients in one bucket where the uninterrupted run used the rebuilt ones,
+    and 4 ranks' all-reduce then rounds differently."""
+    diffs = [r[("ddp_resume", "adamw")] for r in world4]
+    print(f"ddp resume, max abs diff per rank: {diffs}")
+    assert all(d["fixed"] == 0.0 for d in diffs), diffs
+    assert any(d["rebuild"] > 0.0 for d in diffs), f"the control no longer differs: {diffs}"
 
 
 def test_tp_plan_names_must_exist_and_fn_must_return_the_model():
