@@ -3,8 +3,11 @@
 For slices from 4 chips to the largest that exist (v4 16x16x16, v5p 16x16x24,
 v7x 8x16x16), time `build_plan` (every worker's complete env) and the per-worker
 time. It should be linear in the workers: the shared address list is built once
-per slice. Serialising the plan to JSON is timed apart: every worker's env holds
-the whole address list, as torch_tpu requires, so the JSON text is quadratic.
+per slice. Serialising the plan to JSON (``plan --format json``) is timed apart, for
+every slice: values shared by the job or a slice are written once, so the JSON is
+linear too; the fully expanded form (``--expand-env``: every worker repeats its
+slice's address list, as torch_tpu's env requires) is quadratic and is timed up to
+``--expanded-up-to`` workers, for comparison.
 
 Writes benchmarks/results/plan_scaling.json (+ .png when matplotlib is present).
 Pure CPU work, no TPU involved: "simulated" is false because nothing is simulated.
@@ -43,7 +46,8 @@ def _best_of(fn, repeats):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json-up-to", type=int, default=2048, help="time JSON output up to this many workers")
+    parser.add_argument("--expanded-up-to", type=int, default=2048,
+                        help="time the expanded (quadratic) JSON up to this many workers")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -53,14 +57,20 @@ def main(argv=None) -> dict:
         plan_s = _best_of(lambda: build_plan(t), args.repeats)
         row = {"accelerator_type": accel, "topology": name, "pod_type": t.pod_type,
                "num_workers": t.num_devices, "plan_s": plan_s, "plan_us_per_worker": plan_s / t.num_devices * 1e6}
-        if t.num_devices <= args.json_up_to:
-            plan = build_plan(t)
+        plan = build_plan(t)
+        start = time.perf_counter()
+        text = json.dumps(plan, separators=(",", ":"))
+        row["json_s"], row["json_bytes"] = time.perf_counter() - start, len(text)
+        row["json_bytes_per_worker"] = len(text) / t.num_devices
+        if t.num_devices <= args.expanded_up_to:
+            expanded = build_plan(t, expand_env=True)
             start = time.perf_counter()
-            text = json.dumps(plan, separators=(",", ":"))
-            row["json_s"], row["json_bytes"] = time.perf_counter() - start, len(text)
+            text = json.dumps(expanded, separators=(",", ":"))
+            row["expanded_json_s"], row["expanded_json_bytes"] = time.perf_counter() - start, len(text)
         rows.append(row)
         print(f"{accel:14} {name:9} {t.num_devices:6} workers  plan {plan_s * 1e3:8.2f} ms  "
-              f"({row['plan_us_per_worker']:.2f} us/worker)", flush=True)
+              f"({row['plan_us_per_worker']:.2f} us/worker)  json {row['json_bytes'] / 1e6:7.2f} MB "
+              f"{row['json_s'] * 1e3:7.1f} ms", flush=True)
     small, large = rows[0], max(rows, key=lambda r: r["num_workers"])
     result = {
         "question": "how does the plan/launch_env cost grow with the slice?",
@@ -68,7 +78,9 @@ def main(argv=None) -> dict:
         "rows": rows,
         "largest_plan_s": max(r["plan_s"] for r in rows),
         "per_worker_cost_ratio_largest_to_smallest": large["plan_us_per_worker"] / small["plan_us_per_worker"],
-        "target": "largest slice well under 1 s; per-worker cost roughly constant (linear growth)",
+        "json_bytes_per_worker_ratio_largest_to_smallest": large["json_bytes_per_worker"] / small["json_bytes_per_worker"],
+        "largest_json_bytes": large["json_bytes"],
+        "target": "largest slice well under 1 s; per-worker cost and JSON bytes per worker roughly constant (linear)",
     }
     path = write("plan_scaling", result)
     _plot(rows, path.with_suffix(".png"))
@@ -86,9 +98,10 @@ def _plot(rows, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["num_workers"] for r in rows]
     ax.loglog(xs, [r["plan_s"] for r in rows], "o-", label="build_plan (all workers)")
-    js = [(r["num_workers"], r["json_s"]) for r in rows if "json_s" in r]
-    if js:
-        ax.loglog(*zip(*js), "s--", label="json.dumps of the plan")
+    ax.loglog(xs, [r["json_s"] for r in rows], "s--", label="json.dumps of the plan (linear form)")
+    ex = [(r["num_workers"], r["expanded_json_s"]) for r in rows if "expanded_json_s" in r]
+    if ex:
+        ax.loglog(*zip(*ex), "x:", label="json.dumps, --expand-env (quadratic)")
     ax.set_xlabel("workers (TPU devices)")
     ax.set_ylabel("seconds")
     ax.set_title("plan cost vs slice size")

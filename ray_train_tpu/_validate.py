@@ -34,6 +34,9 @@ from typing import Any, Iterable, Optional
 MAX_NUM_SLICES = 256
 MAX_NUM_SLICES_WHY = f"at most {MAX_NUM_SLICES} (the largest reported Multislice job ran 199 slices)"
 # A collective or rendezvous that may wait longer than a week is a mistake.
+# Devices in one job (every slice together): the same record job had 50,944 chips.
+# A plan, a manifest or an env grows with this; past it is a typo, not a job.
+MAX_JOB_DEVICES = 65536
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_PORT = 65535
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -158,3 +161,15 @@ def check_resources(where: str, field: str, value: Any) -> dict[str, float]:
         if not math.isfinite(amount) or amount < 0:
             raise fail(where, field, value, rule, f"{name!r}: {amount!r} is negative or not finite; {fix}")
     return dict(value)
+
+
+def check_job_size(topology: Any, num_slices: int, *, where: str = "", field: str = "num_slices") -> None:
+    """At most `MAX_JOB_DEVICES` workers in the job (``num_slices x topology.num_devices``)."""
+    total = topology.num_devices * num_slices
+    if total > MAX_JOB_DEVICES:
+        limit = max(1, MAX_JOB_DEVICES // topology.num_devices)
+        raise fail(where, field, num_slices,
+                   f"at most {limit} for {topology.accelerator_type} {topology.name} "
+                   f"({topology.num_devices} devices a slice): a job has at most {MAX_JOB_DEVICES} devices "
+                   "(the largest reported Multislice job had 50,944 chips)",
+                   f"e.g. {field}={min(limit, num_slices)}")

@@ -115,6 +115,7 @@ def _check_inputs(topology, num_slices, kind, image, entrypoint) -> None:
             f"use Topology.parse('4x4', 'TPU-V6E')"
         )
     V.check_num_slices("", num_slices, fix=f"{V.MAX_NUM_SLICES_WHY}; pass --num-slices 1 or more")
+    V.check_job_size(topology, num_slices)
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not a KubeRay kind this command writes; valid: {', '.join(KINDS)}")
     if not isinstance(image, str) or not image or any(c.isspace() for c in image):

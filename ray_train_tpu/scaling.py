@@ -64,6 +64,7 @@ class TPUScalingConfig(ScalingConfig):
             )
         topo = Topology.parse(self.topology, self.accelerator_type)
         V.check_num_slices("TPUScalingConfig", self.num_slices)
+        V.check_job_size(topo, self.num_slices, where="TPUScalingConfig")
         if self.resources_per_worker is not None:
             V.check_resources("TPUScalingConfig", "resources_per_worker", self.resources_per_worker)
         # Ray's spellings, so that its placement and validation see the same slice.

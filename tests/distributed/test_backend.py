@@ -16,7 +16,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig, setup_process_group, shutdown_process_group
-from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.cli.plan import build_plan, worker_env
 from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
@@ -86,7 +86,7 @@ def test_every_worker_env_is_what_plan_gives(sim, probe):
     )
     for record in probe:
         rank = record["world_rank"]
-        expected = plan["workers"][rank]["env"]
+        expected = worker_env(plan, rank)
         assert {k: record["env"][k] for k in ENV_KEYS} == expected
 
 

@@ -36,7 +36,7 @@ from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
 from ray_train_tpu.checkpoint import MANIFEST
-from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.cli.plan import build_plan, worker_env
 from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
@@ -344,7 +344,7 @@ def test_lost_host_restarts_the_run_on_a_whole_free_slice(sim, tmp_path):
         master_port=int(env0["MASTER_PORT"]),
     )
     for rank, record in second.items():
-        assert record["env"] == {k: plan["workers"][rank]["env"].get(k) for k in ENV_KEYS}, rank
+        assert record["env"] == {k: worker_env(plan, rank).get(k) for k in ENV_KEYS}, rank
     assert env0["TORCH_TPU_XPROF_SESSION_ID"] != first[0]["env"]["TORCH_TPU_XPROF_SESSION_ID"]
     assert env0["MASTER_ADDR"] != first[0]["env"]["MASTER_ADDR"]
     # The failed attempt's placement groups (slice head and slice) were released:

@@ -15,7 +15,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
-from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.cli.plan import build_plan, worker_env
 from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS
 from ray_train_tpu.topology import Topology
 
@@ -58,7 +58,7 @@ def test_two_slices_env_and_all_reduce(sim, tmp_path):
                       xprof_session_id=env0["TORCH_TPU_XPROF_SESSION_ID"], master_port=int(env0["MASTER_PORT"]))
     for r in records:
         assert r["sum"] == 8.0
-        assert r["env"] == plan["workers"][r["rank"]]["env"]
+        assert r["env"] == worker_env(plan, r["rank"])
         slice_id = r["rank"] // 4
         assert r["slice"] == f"sim-slice-{slice_id}" and r["ip"] == hosts[slice_id]
         assert r["env"]["MEGASCALE_SLICE_ID"] == str(slice_id) and r["env"]["MEGASCALE_NUM_SLICES"] == "2"

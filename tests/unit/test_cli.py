@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ray_train_tpu.cli import main
-from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.cli.plan import build_plan, worker_env
 from ray_train_tpu.launch_env import ENV_KEYS
 from ray_train_tpu.topology import Topology
 
@@ -31,9 +31,43 @@ def test_plan_json_has_every_field_and_env():
     w = plan["workers"][6]
     assert set(w) == {"rank", "local_rank", "node_rank", "slice_id", "worker_id", "host", "chip_coords", "env"}
     assert (w["rank"], w["node_rank"], w["local_rank"], w["host"]) == (6, 1, 2, "b")
-    assert set(w["env"]) == set(ENV_KEYS)
-    assert all(isinstance(v, str) for v in w["env"].values())
+    assert set(worker_env(plan, 6)) == set(ENV_KEYS)
+    assert all(isinstance(v, str) for v in worker_env(plan, 6).values())
     assert plan == json.loads(json.dumps(build_plan(Topology.parse("4x4", "TPU-V6E"), hosts=list("abcd"))))
+    assert plan["hosts_are_placeholders"] is False and plan["env_expanded"] is False
+    # Linear: the address list is given once per slice, not once per worker.
+    assert out.count("a:8070,a:8071") == 1
+    assert set(w["env"]) == {"RANK", "LOCAL_RANK", "NODE_RANK", "TPU_VISIBLE_CHIPS", "TPU_WORKER_ID"}
+
+
+def test_plan_expand_env_gives_every_worker_its_whole_env():
+    argv = ("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4", "--format", "json", "--hosts", "a,b")
+    _, linear, _ = _run(*argv)
+    code, expanded, _ = _run(*argv, "--expand-env")
+    assert code == 0
+    linear, expanded = json.loads(linear), json.loads(expanded)
+    assert expanded["env_expanded"] is True
+    for rank in range(8):
+        assert expanded["workers"][rank]["env"] == worker_env(linear, rank) == worker_env(expanded, rank)
+        assert set(expanded["workers"][rank]["env"]) == set(ENV_KEYS)
+
+
+def test_plan_json_size_grows_linearly_with_the_slice():
+    sizes = {}
+    for topo in ("4x4x4", "8x8x8"):  # 64 and 512 devices
+        _, out, _ = _run("plan", "--topology", topo, "--accelerator-type", "TPU-V4", "--format", "json", "--compact")
+        sizes[topo] = len(out)
+    ratio = sizes["8x8x8"] / sizes["4x4x4"]
+    assert 6 < ratio < 10, sizes  # 8x the workers; quadratic output would be ~64x
+
+
+def test_placeholder_hosts_are_labelled():
+    code, out, _ = _run("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4", "--format", "json")
+    assert json.loads(out)["hosts_are_placeholders"] is True
+    _, table, _ = _run("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4")
+    assert "PLACEHOLDERS" in table
+    _, table, _ = _run("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4", "--hosts", "a,b")
+    assert "PLACEHOLDERS" not in table
 
 
 def test_plan_table_is_for_people():

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_train_tpu.cli.plan import build_plan
+from ray_train_tpu.cli.plan import build_plan, worker_env
 from ray_train_tpu.launch_env import (
     ENV_KEYS,
     MEGASCALE_KEYS,
@@ -197,5 +197,5 @@ def test_build_plan_shape():
     assert [w["rank"] for w in plan["workers"]] == list(range(32))
     w = plan["workers"][21]
     assert (w["slice_id"], w["worker_id"], w["local_rank"], w["node_rank"]) == (1, 1, 1, 5)
-    assert w["host"] == placeholder_hosts(t, 2)[5] == w["env"]["TPU_WORKER_HOSTNAMES"].split(",")[1]
+    assert w["host"] == placeholder_hosts(t, 2)[5] == worker_env(plan, 21)["TPU_WORKER_HOSTNAMES"].split(",")[1]
     assert w["chip_coords"] == [3, 0, 0]
