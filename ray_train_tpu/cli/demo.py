@@ -20,6 +20,7 @@ BANNER = (
 
 
 ORDER = 20
+EXAMPLE = 'python -m ray_train_tpu demo --steps 12'
 
 
 def register(subparsers, add_slice_args) -> None:

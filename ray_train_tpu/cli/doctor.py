@@ -9,6 +9,7 @@ from typing import Callable, TextIO
 from ray_train_tpu.doctor import DEFAULT_TIMEOUT_S, FORMATS, RAY_ADDRESS, format_report_table, run_doctor
 
 ORDER = 30
+EXAMPLE = 'python -m ray_train_tpu doctor --address 10.0.0.1:6379 --format json'
 
 
 def _doctor(args: argparse.Namespace, out: TextIO) -> int:
@@ -27,7 +28,7 @@ def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], Non
                               "exit 0 healthy, 1 problems, 2 cannot connect")
     p.add_argument("--address", help=f"Ray cluster: host:port of the GCS, ray://host:port, or auto "
                    f"(default ${RAY_ADDRESS}, else auto)")
-    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--format", choices=FORMATS, default="table", help="table for people (default), json for tools")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds to wait for the hosts' checks (default {DEFAULT_TIMEOUT_S:g})")
     p.set_defaults(func=_doctor)

@@ -9,6 +9,7 @@ from ray_train_tpu.kuberay import DEFAULT_IMAGE, FORMATS, KINDS, build_manifest,
 from ray_train_tpu.topology import Topology
 
 ORDER = 10
+EXAMPLE = 'python -m ray_train_tpu kuberay --topology 4x4 --accelerator-type TPU-V6E --num-slices 2 --kind RayJob --entrypoint "python train.py"'
 
 
 def _kuberay(args: argparse.Namespace, out: TextIO) -> int:
@@ -37,5 +38,5 @@ def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], Non
         help=f"image with torch, torch-tpu and ray_train_tpu (default {DEFAULT_IMAGE}, a placeholder without them)",
     )
     p.add_argument("--entrypoint", help="command the RayJob runs, e.g. 'python train.py' (RayJob only)")
-    p.add_argument("--format", choices=FORMATS, default="yaml")
+    p.add_argument("--format", choices=FORMATS, default="yaml", help="manifest format (default yaml)")
     p.set_defaults(func=_kuberay)

@@ -24,6 +24,7 @@ from ray_train_tpu.launch_env import check_hosts, launch_envs, placeholder_hosts
 from ray_train_tpu.topology import Topology
 
 ORDER = 0  # first in the help
+EXAMPLE = 'python -m ray_train_tpu plan --topology 2x2x2 --accelerator-type TPU-V4 --hosts 10.0.0.1,10.0.0.2 --format json'
 HELP = "print every worker's rank, host, chip and TorchTPU env"
 
 
@@ -31,7 +32,7 @@ def register(subparsers, add_slice_args) -> None:
     p = subparsers.add_parser("plan", help=HELP)
     add_slice_args(p)
     p.add_argument("--hosts", help="comma-separated hosts in TPU worker id order, slice-major")
-    p.add_argument("--format", choices=("json", "table"), default="table")
+    p.add_argument("--format", choices=("json", "table"), default="table", help="table for people (default), json for tools")
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--expand-env", action="store_true",
                    help="JSON: every worker's complete env (quadratic in the slice; by default values "

@@ -110,3 +110,40 @@ def test_plan_does_not_import_ray_or_torch():
             "assert 'ray' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_version_names_the_package_and_its_upstreams(capsys):
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("ray_train_tpu ") and "ray 2.60.0" in line and "torch " in line
+
+
+def test_help_is_plain_text_with_a_description_and_an_example_per_command():
+    from ray_train_tpu.cli import _build_parser, command_modules
+
+    parser = _build_parser()
+    top = parser.format_help()
+    assert "``" not in top and "Bad input is one line" in top
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted(set(sub.choices))
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        assert p.description and "``" not in text, name
+        if name != "serve":  # serve's parser is built by ray_train_tpu.serve.cli
+            assert "example:\n  python -m ray_train_tpu " + name in text, name
+        for action in p._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings} has no help text"
+
+
+def test_a_missing_optional_package_is_one_line_naming_the_extra(monkeypatch):
+    import ray_train_tpu.cli.plan as plan_cmd
+
+    def needs_vllm(args, out):
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+
+    monkeypatch.setattr(plan_cmd, "_plan", needs_vllm)
+    code, out, err = _run("plan", "--topology", "2x2x2", "--accelerator-type", "TPU-V4")
+    assert code == 2 and out == ""
+    assert err == "ray_train_tpu: error: this command needs the optional package 'vllm': " \
+                  "pip install 'ray-train-tpu[serve]'\n"
