@@ -76,7 +76,10 @@ class Marker:
             raise RuntimeError(f"{ENV_FLAG}=1 but this process is not running under valgrind")
 
     @classmethod
-    def from_env(cls, environ=os.environ) -> Optional["Marker"]:
+    def from_env(cls, environ=None) -> Optional["Marker"]:
+        # Not a default of os.environ: this module is pickled by value to Ray
+        # workers, and a default would carry the driver's environment along.
+        environ = os.environ if environ is None else environ
         return cls() if environ.get(ENV_FLAG) == "1" else None
 
     def start(self) -> None:

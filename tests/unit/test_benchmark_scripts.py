@@ -304,3 +304,20 @@ def test_paired_ratio_interval():
     assert step_overhead.paired_ratio_ci(runs[:2], "ours", "torchrun", "steps_per_s") is None
     s = step_overhead.summarize(runs)
     assert s["paired_ratios"]["ours_over_torchrun"]["cpu_ms_per_step"]["pairs"] == 3
+
+
+def test_marker_reads_the_environment_of_the_process_it_runs_in(monkeypatch):
+    """Ray workers get this module pickled by value: the flag must be read from the
+    worker's own environment, not from a copy of the driver's taken at pickling."""
+    import ray.cloudpickle
+
+    from benchmarks import _callgrind
+
+    ray.cloudpickle.register_pickle_by_value(_callgrind)
+    try:
+        shipped = ray.cloudpickle.loads(ray.cloudpickle.dumps(_callgrind.Marker.from_env))
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(_callgrind)
+    monkeypatch.setenv(_callgrind.ENV_FLAG, "1")  # set after pickling, as in the worker
+    with pytest.raises(RuntimeError, match="not running under valgrind"):
+        shipped()
