@@ -14,11 +14,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import TYPE_CHECKING, Optional
 
 from ray_train_tpu import _validate as V
+from ray_train_tpu._compat.torch import fixed_order_ddp  # noqa: F401  (re-exported)
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies.base import Strategy, standard_layout, to_device
 
@@ -88,46 +88,3 @@ class DDPStrategy(Strategy):
         if self.fixed_bucket_order and not self.find_unused_parameters:
             return fixed_order_ddp(model, **kwargs)
         return DistributedDataParallel(model, find_unused_parameters=self.find_unused_parameters, **kwargs)
-
-
-def fixed_order_ddp(model: "nn.Module", **kwargs) -> "DistributedDataParallel":
-    """``DistributedDataParallel(model, **kwargs)`` whose gradient buckets are the
-    same at every step of every run, so that a run resumed from a checkpoint sums
-    gradients in the same order as an uninterrupted one (bitwise equal results).
-
-    Plain DDP (without ``find_unused_parameters``) reduces its first step in one
-    bucket and then rebuilds the buckets in the order the gradients became ready;
-    a run resumed at step k thus reduces step k in one bucket where the
-    uninterrupted run used the rebuilt ones, and with more than two ranks the
-    all-reduce rounds differently (7.5e-9 after one resume). Here the rebuild is
-    requested before the first forward (``Reducer._push_all_rebuilt_params``, what
-    DDP's own ``Join`` support calls), from the parameters in reverse module order
-    (the order backward produces them in, as DDP's own first guess assumes), so it
-    happens once, identically in every run, the last layers' bucket is reduced
-    first (all-reduce still overlaps the backward), and no per-step work is added.
-    """
-    ddp = _fixed_order_class()(model, **kwargs)
-    ddp.reducer._push_all_rebuilt_params()  # torch >= 1.10; tests/unit/test_strategies.py checks the buckets
-    return ddp
-
-
-@functools.lru_cache(maxsize=None)
-def _fixed_order_class():
-    from torch.nn.parallel import DistributedDataParallel
-
-    class FixedOrderDDP(DistributedDataParallel):
-        """DDP whose reducer numbers the parameters in reverse module order."""
-
-        def _build_params_for_reducer(self):
-            params, sparse = super()._build_params_for_reducer()
-            return params[::-1], sparse[::-1]
-
-    FixedOrderDDP.__module__, FixedOrderDDP.__qualname__ = __name__, "FixedOrderDDP"
-    return FixedOrderDDP
-
-
-def __getattr__(name: str):
-    # ``FixedOrderDDP`` without importing torch with this module (pickle finds it here).
-    if name == "FixedOrderDDP":
-        return _fixed_order_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
