@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 WAIT_LOG_EVERY_S = 30.0
 
 
+def no_setup() -> None:
+    """Worker setup hook of the probes: nothing (the replica's own hook, Ray Serve
+    LLM's, imports vLLM, seconds per probe for nothing)."""
+
+
 def _bundle_chip() -> tuple[str, list[str]]:
     ctx = ray.get_runtime_context()
     return ctx.get_node_id(), [str(i) for i in ctx.get_accelerator_ids().get("TPU", [])]
@@ -66,6 +71,7 @@ class SliceLayoutCallback(CallbackBase):
         refs = [
             probe.options(
                 num_cpus=0, resources={"TPU": 1},
+                runtime_env={"worker_process_setup_hook": f"{__name__}.no_setup"},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
             ).remote()
             for i in range(len(table["bundles"]))

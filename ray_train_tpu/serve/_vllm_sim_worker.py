@@ -21,6 +21,8 @@ class SliceCPUWorker(CPUWorker):
     (vLLM run outside a replica, e.g. offline on one host) it is vLLM's CPU
     worker."""
 
+    slice_env_applied: dict = {}
+
     def init_device(self):
         text = _environ.get(P.SLICE_PLAN_ENV)
         if text:
@@ -32,5 +34,12 @@ class SliceCPUWorker(CPUWorker):
                                slice_name=_environ.get(C.TPU_NAME), chips=chips)
             env = plan.worker_env(self.rank)
             _environ.update(env)
+            self.slice_env_applied = env
             logger.info("SIMULATED TPU worker rank %d on %s: %s", self.rank, plan.slice_name, env)
         super().init_device()
+
+    def slice_env(self) -> dict:
+        """What this worker is and was given (``LLMServer.collective_rpc("slice_env")``)."""
+        import ray
+
+        return {"rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "env": dict(self.slice_env_applied)}
