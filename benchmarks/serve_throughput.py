@@ -20,13 +20,14 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import RESULTS, environment, write  # noqa: E402
+from benchmarks._common import environment, write  # noqa: E402
 
 NAME = "serve_throughput"
 GOAL_VS_OFFLINE = 0.8
@@ -44,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--generate-requests", type=int, default=4, help="requests for the one-at-a-time baseline")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=NAME, help="results/<out>.json")
     args = p.parse_args(argv)
     try:
@@ -94,7 +95,7 @@ def _model_dir(args) -> str:
     if args.model == "smollm2":
         return smollm2_dir()
     if args.model == "tiny":
-        return save_tiny_model(os.path.join(RESULTS, ".tiny-model"))
+        return save_tiny_model(os.path.join(tempfile.gettempdir(), "ray_train_tpu-tiny-model"))
     return args.model
 
 
