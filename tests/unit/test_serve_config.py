@@ -117,6 +117,9 @@ def test_tpu_host_evidence():
 def test_a_tpu_host_without_vllm_torchtpu_gets_a_clear_error():
     """libtpu is installed here (torch-tpu): without simulation vLLM must refuse,
     naming what to install, rather than run on its CPU platform."""
+    import importlib.util
+
+    assert importlib.util.find_spec("libtpu"), "needs libtpu, from the tpu extra (torch-tpu), as make installs"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_TRAIN_TPU_SIMULATE", "VLLM_TARGET_DEVICE")}
     code = "from vllm.platforms import current_platform; print(current_platform.device_type)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
