@@ -33,7 +33,7 @@ from ray_train_tpu import _worker_fns
 from ray_train_tpu import constants as C
 from ray_train_tpu.checkpoint.preemption import install_handler as install_preemption_handler
 from ray_train_tpu._compat import ray_train as compat_ray
-from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout
+from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout, order_slice_hosts
 from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type
@@ -46,9 +46,16 @@ logger = logging.getLogger(__name__)
 # Ray computes these ranks too; ours must agree, so a preset value never wins.
 _RANK_KEYS = (C.RANK, C.WORLD_SIZE, C.LOCAL_RANK, C.LOCAL_WORLD_SIZE, C.NODE_RANK, C.NNODES, C.TPU_VISIBLE_CHIPS)
 
+
+
+def _host_positions(slice_name, claims) -> dict:
+    """Ray Train's worker sort places hosts exactly as `layout` does."""
+    return order_slice_hosts(slice_name, claims).positions
+
+
 # The controller imports this module when it unpickles a TPUTorchConfig, before
 # it ranks the workers: that is where Ray's TPU worker order must be fixed.
-compat_ray.install_tpu_worker_order()
+compat_ray.install_tpu_worker_order(identify=_worker_fns.host_identity, host_positions=_host_positions)
 
 
 class _TPUTorchBackend(compat_ray.RayTorchBackend):
@@ -234,11 +241,15 @@ def _infos(reports: list[WorkerReport]) -> list:
 
 def _layout(reports, topology: Topology, num_slices: int) -> Layout:
     placement = layout(_infos(reports), topology, num_slices)
+    for warning in placement.warnings:
+        logger.warning("ray_train_tpu: %s", warning)
+    if placement.notes:
+        logger.info("ray_train_tpu: %s", "; ".join(placement.notes))
     wrong = [i for i, rank in enumerate(placement.ranks) if rank != i]
     if wrong:
         raise RuntimeError(
-            "ray_train_tpu: Ray ranked TPU workers differently from their TPU worker "
-            f"ids and chips (workers {wrong[:8]} would get ranks "
+            "ray_train_tpu: Ray ranked TPU workers differently from their hosts' "
+            f"positions in the slice and chips (workers {wrong[:8]} would get ranks "
             f"{[placement.ranks[i] for i in wrong[:8]]}); the worker-order adapter is "
             f"tested with Ray {compat_ray.TESTED_RAY_VERSION}, found {ray.__version__}"
         )

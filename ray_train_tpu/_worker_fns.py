@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Union
+from typing import Optional, Union
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
@@ -40,7 +40,51 @@ def report() -> WorkerReport:
         gpu_ids=tuple(int(g) for g in ids.get("GPU", [])),
         mode=Mode.SIMULATE if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1" else Mode.TPU,
         preset=_environ.snapshot(ENV_KEYS + MEGASCALE_KEYS),
+        chip_coords=chip_coords() if ids.get("TPU") else None,
     )
+
+
+_COORDS: dict = {}  # this worker's answer, asked once (a PJRT start-up on real TPUs)
+
+
+def chip_coords() -> Optional[tuple[int, int, int]]:
+    """Physical (X, Y, Z) of this worker's TPU chip in the slice's mesh, or None.
+
+    On real TPUs, torch_tpu's own query (`_compat.torch_tpu.local_chip_coords`);
+    on a simulated host, the host's ``RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS``
+    ("x,y,z" of its first chip; `simulated_tpu_cluster(host_coords=...)` sets
+    it), read only when ``RAY_TRAIN_TPU_SIMULATE=1``.
+    """
+    if "value" not in _COORDS:
+        if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
+            _COORDS["value"] = _simulated_coords(_environ.get(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS))
+        else:
+            from ray_train_tpu._compat import torch_tpu as compat_torch_tpu
+
+            found = compat_torch_tpu.local_chip_coords()
+            if found is None:
+                return None  # not cached: a later attempt may ask again
+            _COORDS["value"] = found
+    return _COORDS["value"]
+
+
+def _simulated_coords(raw: Optional[str]) -> Optional[tuple[int, int, int]]:
+    if raw is None:
+        return None
+    parts = raw.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(
+            f"{C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS}={raw!r} is not three non-negative integers "
+            "'x,y,z'; give simulated_tpu_cluster(host_coords={(slice_id, worker_id): (x, y, z)})"
+        )
+    x, y, z = (int(p) for p in parts)
+    return (x, y, z)
+
+
+def host_identity() -> tuple[Optional[str], Optional[str], Optional[tuple[int, int, int]]]:
+    """Runs on a worker for Ray Train's worker sort (`_compat.ray_train.sort_tpu_workers`):
+    its host's TPU_NAME, TPU_WORKER_ID (as set, unparsed) and chip coordinates."""
+    return _environ.get(C.TPU_NAME), _environ.get(C.TPU_WORKER_ID), chip_coords()
 
 
 def _tpu_worker_id(node_ip: str):

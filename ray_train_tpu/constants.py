@@ -101,3 +101,10 @@ RAY_ADDRESS = "RAY_ADDRESS"
 # per-host libtpu lockfile path, and modules to report as missing.
 RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"
 RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES"
+# ... and the physical coordinates "x,y,z" of the host's first TPU chip, which a
+# real host reads from torch_tpu (`_compat.torch_tpu.local_chip_coords`).
+RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS = "RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS"
+
+# Seconds a worker waits for torch_tpu's chip-coordinate child process (PJRT
+# start-up takes seconds; torch_tpu's own launcher waits up to 300).
+DEFAULT_CHIP_COORDS_TIMEOUT_S = 120.0

@@ -3,21 +3,32 @@
 Pure: each worker answers with a typed `WorkerReport` (`_worker_fns.report`),
 the backend turns those into a `WorkerInfo` per worker and calls `layout`, which
 checks that the workers form whole slices with one device each and returns the
-rank of every worker and the hosts in TPU worker id order, ready for
+rank of every worker and the hosts in slice order, ready for
 `launch_env.launch_envs`. Nothing here depends on the order in which Ray
 started the workers or the hosts registered.
+
+The hosts of a slice are ordered by `order_slice_hosts`: by their physical chip
+coordinates when every host reports them (torch_tpu's launcher derives
+``NODE_RANK`` the same way), else by ``TPU_WORKER_ID``. GKE assigns
+``TPU_WORKER_ID`` in pod-creation order, which need not follow the ICI mesh
+(Ray#66029), and has given two hosts the same id (ai-on-gke#858): where
+coordinates are known, they win, and every host whose id disagrees is named.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Optional, Sequence
 
 from ray_train_tpu import constants as C
 from ray_train_tpu.launch_env import rank_of
-from ray_train_tpu.topology import Topology
+from ray_train_tpu.topology import Coords, Topology
+
+# Chips per host along (X, Y, Z) of every multi-host slice: torch_tpu's
+# ``_CHIPS_PER_HOST`` (torch_tpu/_internal/distributed/distributed.py).
+CHIPS_PER_HOST: Coords = (2, 2, 1)
 
 
 class Mode(str, enum.Enum):
@@ -59,11 +70,14 @@ class WorkerReport:
     gpu_ids: tuple[int, ...] = ()
     mode: Mode = Mode.TPU
     preset: dict = dataclasses.field(default_factory=dict)  # our variables already set for it
+    # physical (X, Y, Z) of this worker's chip in the slice's mesh; None when unknown
+    chip_coords: Optional[Coords] = None
 
     def info(self, index: int, node_tpus: float) -> "WorkerInfo":
         """The `WorkerInfo` that `layout` ranks, for the worker at `index`."""
         return WorkerInfo(index=index, node_ip=self.node_ip, slice_name=self.slice_name,
-                          tpu_worker_id=self.tpu_worker_id, tpu_ids=self.tpu_ids, node_tpus=node_tpus)
+                          tpu_worker_id=self.tpu_worker_id, tpu_ids=self.tpu_ids, node_tpus=node_tpus,
+                          chip_coords=self.chip_coords)
 
     def as_dict(self) -> dict:
         """The report as the dict that `ray_train_tpu.serve` reads (``worker_id``
@@ -73,6 +87,7 @@ class WorkerReport:
         out.pop("tpu_worker_id", None)
         out["simulate"] = out.pop("mode") == Mode.SIMULATE
         out["tpu_ids"], out["gpu_ids"] = list(self.tpu_ids), list(self.gpu_ids)
+        out["chip_coords"] = None if self.chip_coords is None else list(self.chip_coords)
         return out
 
 
@@ -97,6 +112,7 @@ class WorkerInfo:
     tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host
     tpu_ids: tuple[int, ...]  # Ray's TPU accelerator ids of this worker
     node_tpus: float  # TPU resources of the worker's host
+    chip_coords: Optional[Coords] = None  # physical (X, Y, Z) of its chip, None if unknown
 
     def where(self) -> str:
         return (
@@ -108,8 +124,10 @@ class WorkerInfo:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     ranks: list[int]  # ranks[i] = rank of the worker at index i
-    hosts: list[str]  # host addresses by node rank (slice-major, TPU worker id order)
+    hosts: list[str]  # host addresses by node rank (slice-major, `order_slice_hosts` order)
     slice_names: list[str]  # slice names by slice id
+    warnings: tuple[str, ...] = ()  # from `order_slice_hosts`, for the log
+    notes: tuple[str, ...] = ()  # slices ordered by TPU_WORKER_ID for want of coordinates
 
     def index_of_rank(self) -> list[int]:
         """Ray worker index of each rank."""
@@ -119,6 +137,104 @@ class Layout:
         return order
 
 
+@dataclasses.dataclass(frozen=True)
+class HostOrder:
+    """Where each host of one slice sits, from `order_slice_hosts`."""
+
+    positions: dict[str, Optional[int]]  # host IP -> position in the slice (its NODE_RANK there)
+    by_coords: bool  # True: physical chip coordinates; False: TPU_WORKER_ID
+    warnings: tuple[str, ...] = ()  # one per host whose TPU_WORKER_ID is overruled, or why coordinates were refused
+    note: Optional[str] = None  # no host reported coordinates (say so once, not per host)
+
+
+def host_of_chip(chip: Sequence[int]) -> Coords:
+    """The host grid coordinates of a chip, as torch_tpu's launcher computes them
+    (``chip // _CHIPS_PER_HOST``, with missing fields 0).
+
+    Example:
+        >>> host_of_chip((3, 2, 5))
+        (1, 1, 5)
+    """
+    padded = list(chip)[:3] + [0] * (3 - len(chip[:3]))
+    return tuple(c // b for c, b in zip(padded, CHIPS_PER_HOST))
+
+
+def order_slice_hosts(slice_name: Optional[str], claims: Sequence[tuple[str, Optional[int], Optional[Sequence[int]]]]) -> HostOrder:
+    """Order the hosts of one slice from what their workers report.
+
+    `claims` holds one ``(host IP, TPU_WORKER_ID or None, chip coordinates or
+    None)`` per worker (several per host). When every worker reports chip
+    coordinates and they put every host in its own place, a host's position is
+    its index among the slice's hosts sorted as torch_tpu's launcher sorts them
+    (``_get_slice_host_coordinates``: chip // (2, 2, 1), ``key=lambda h: h[::-1]``,
+    Z-major, Y, X-minor), and each host whose TPU_WORKER_ID is missing, repeated
+    or different from that position gets a warning naming its IP and both
+    values. Otherwise positions are the TPU_WORKER_IDs (checked by `layout`).
+
+    Example:
+        >>> o = order_slice_hosts("s", [("10.0.0.1", 0, (0, 0, 1)), ("10.0.0.2", 1, (0, 0, 0))])
+        >>> o.positions, o.by_coords
+        ({'10.0.0.1': 1, '10.0.0.2': 0}, True)
+        >>> print(o.warnings[1])
+        host 10.0.0.1 of slice s has TPU_WORKER_ID=0, but its chip coordinates (0, 0, 1) put it at position 1 (torch_tpu's Z-major host order); it takes position 1 (NODE_RANK in the slice)
+    """
+    hosts: dict[str, list[tuple]] = {}
+    for ip, worker_id, chip in claims:
+        hosts.setdefault(ip, []).append((worker_id, None if chip is None else tuple(chip)))
+    worker_ids = {ip: next((w for w, _ in cs if w is not None), None) for ip, cs in hosts.items()}
+
+    def by_worker_id(warning: Optional[str] = None, note: Optional[str] = None) -> HostOrder:
+        return HostOrder(positions=dict(worker_ids), by_coords=False,
+                         warnings=(warning,) if warning else (), note=note)
+
+    keep = "; hosts stay in TPU_WORKER_ID order"
+    without = sorted(ip for ip, cs in hosts.items() if any(chip is None for _, chip in cs))
+    if len(without) == len(hosts):
+        return by_worker_id(note=f"slice {slice_name}: no host reports TPU chip coordinates{keep}")
+    if without:
+        return by_worker_id(f"slice {slice_name}: host(s) {', '.join(without)} report no TPU chip coordinates "
+                            f"while the others do{keep}")
+    grid: dict[str, Coords] = {}
+    for ip, cs in hosts.items():
+        found = sorted({host_of_chip(chip) for _, chip in cs})
+        if len(found) > 1:
+            return by_worker_id(f"slice {slice_name}: the workers of host {ip} report chips of different "
+                                f"hosts {found}{keep}")
+        grid[ip] = found[0]
+    shared = defaultdict(list)
+    for ip, h in grid.items():
+        shared[h].append(ip)
+    clash = [(h, sorted(ips)) for h, ips in sorted(shared.items()) if len(ips) > 1]
+    if clash:
+        h, ips = clash[0]
+        return by_worker_id(f"slice {slice_name}: chip coordinates put hosts {', '.join(ips)} in the same "
+                            f"host position {h}, so they cannot order the slice{keep}")
+    order = sorted(grid.values(), key=lambda h: h[::-1])
+    positions = {ip: order.index(h) for ip, h in grid.items()}
+    return HostOrder(positions=positions, by_coords=True, warnings=tuple(_overruled(slice_name, hosts, worker_ids, positions)))
+
+
+def _overruled(slice_name, hosts: dict, worker_ids: dict, positions: dict) -> list[str]:
+    counts = Counter(w for w in worker_ids.values() if w is not None)
+    out = []
+    for ip in sorted(positions, key=positions.get):
+        worker_id, position = worker_ids[ip], positions[ip]
+        if worker_id is None:
+            what = "has no TPU_WORKER_ID"
+        elif counts[worker_id] > 1:
+            others = sorted(o for o, w in worker_ids.items() if w == worker_id and o != ip)
+            what = f"has TPU_WORKER_ID={worker_id}, which host(s) {', '.join(others)} also have"
+        elif worker_id != position:
+            what = f"has TPU_WORKER_ID={worker_id}"
+        else:
+            continue
+        chip = hosts[ip][0][1]
+        out.append(f"host {ip} of slice {slice_name} {what}, but its chip coordinates {chip} put it at "
+                   f"position {position} (torch_tpu's Z-major host order); it takes position {position} "
+                   "(NODE_RANK in the slice)")
+    return out
+
+
 class LayoutError(ValueError):
     """The workers do not form whole slices of one device per worker."""
 
@@ -126,9 +242,10 @@ class LayoutError(ValueError):
 def layout(infos: Sequence[WorkerInfo], topology: Topology, num_slices: int) -> Layout:
     """Check the workers and give each its rank.
 
-    Slices are ordered by name, hosts by TPU worker id, devices by Ray's TPU
-    accelerator id on the host (the chip index of ``TPU_VISIBLE_CHIPS``, or
-    the TensorCore index on v7x).
+    Slices are ordered by name, hosts by `order_slice_hosts` (physical chip
+    coordinates when every host reports them, else TPU worker id), devices by
+    Ray's TPU accelerator id on the host (the chip index of
+    ``TPU_VISIBLE_CHIPS``, or the TensorCore index on v7x).
 
     Raises:
         LayoutError: naming the workers and hosts at fault and the fix.
@@ -141,7 +258,7 @@ def layout(infos: Sequence[WorkerInfo], topology: Topology, num_slices: int) -> 
             f"{expected} (one per device); use TPUScalingConfig(topology=..., "
             "accelerator_type=..., num_slices=...) to size the job"
         )
-    _check_host_identity(infos)
+    _check_slice_names(infos)
     by_slice: dict[str, list[WorkerInfo]] = defaultdict(list)
     for info in infos:
         by_slice[info.slice_name].append(info)
@@ -154,13 +271,23 @@ def layout(infos: Sequence[WorkerInfo], topology: Topology, num_slices: int) -> 
     slice_names = sorted(by_slice)
     ranks = [0] * len(infos)
     hosts = [""] * (topology.num_hosts * num_slices)
+    warnings: list[str] = []
+    notes: list[str] = []
     for slice_id, name in enumerate(slice_names):
-        for worker_id, host_infos in _hosts_of_slice(by_slice[name], topology, name).items():
-            hosts[slice_id * topology.num_hosts + worker_id] = host_infos[0].node_ip
+        members = by_slice[name]
+        order = order_slice_hosts(name, [(i.node_ip, i.tpu_worker_id, i.chip_coords) for i in members])
+        warnings.extend(order.warnings)
+        notes.extend([order.note] if order.note else [])
+        if not order.by_coords:
+            _check_worker_ids(members)
+        by_host: dict[int, list[WorkerInfo]] = defaultdict(list)
+        for info in members:
+            by_host[order.positions[info.node_ip]].append(info)
+        for position, host_infos in _hosts_of_slice(by_host, topology, name, order.by_coords).items():
+            hosts[slice_id * topology.num_hosts + position] = host_infos[0].node_ip
             for info in host_infos:
-                local_rank = info.tpu_ids[0]
-                ranks[info.index] = rank_of(topology, slice_id=slice_id, worker_id=worker_id, local_rank=local_rank)
-    return Layout(ranks=ranks, hosts=hosts, slice_names=slice_names)
+                ranks[info.index] = rank_of(topology, slice_id=slice_id, worker_id=position, local_rank=info.tpu_ids[0])
+    return Layout(ranks=ranks, hosts=hosts, slice_names=slice_names, warnings=tuple(warnings), notes=tuple(notes))
 
 
 def _check_one_device_each(infos: Sequence[WorkerInfo]) -> None:
@@ -173,13 +300,24 @@ def _check_one_device_each(infos: Sequence[WorkerInfo]) -> None:
         )
 
 
-def _check_host_identity(infos: Sequence[WorkerInfo]) -> None:
+def _check_slice_names(infos: Sequence[WorkerInfo]) -> None:
     for info in infos:
-        if info.slice_name is None or info.tpu_worker_id is None:
+        if info.slice_name is None:
             raise LayoutError(
-                f"{info.where()} does not say which slice and host it is: TPU_NAME and "
+                f"{info.where()} does not say which slice it is on: TPU_NAME must be set on "
+                "every TPU host (GKE's TPU webhook and ray_train_tpu.testing.simulated_tpu_cluster set it)"
+            )
+
+
+def _check_worker_ids(infos: Sequence[WorkerInfo]) -> None:
+    """Without chip coordinates, TPU_WORKER_ID is all that orders a slice's hosts."""
+    for info in infos:
+        if info.tpu_worker_id is None:
+            raise LayoutError(
+                f"{info.where()} does not say which host of its slice it is: TPU_NAME and "
                 "TPU_WORKER_ID must be set on every TPU host (GKE's TPU webhook and "
-                "ray_train_tpu.testing.simulated_tpu_cluster set them)"
+                "ray_train_tpu.testing.simulated_tpu_cluster set them), or every host must "
+                "report its chip coordinates"
             )
     ips = defaultdict(set)
     for info in infos:
@@ -188,35 +326,37 @@ def _check_host_identity(infos: Sequence[WorkerInfo]) -> None:
         if len(addrs) > 1:
             raise LayoutError(
                 f"TPU_WORKER_ID={worker_id} of slice {name} is claimed by several hosts "
-                f"({', '.join(sorted(addrs))}); every host of a slice needs its own id"
+                f"({', '.join(sorted(addrs))}); every host of a slice needs its own id "
+                "(or every host must report its chip coordinates, which then order the slice)"
             )
 
 
-def _hosts_of_slice(infos: list[WorkerInfo], topology: Topology, name: str) -> dict[int, list[WorkerInfo]]:
-    by_host: dict[int, list[WorkerInfo]] = defaultdict(list)
-    for info in infos:
-        by_host[info.tpu_worker_id].append(info)
+def _hosts_of_slice(by_host: dict[int, list[WorkerInfo]], topology: Topology, name: str,
+                    by_coords: bool) -> dict[int, list[WorkerInfo]]:
     want = set(range(topology.num_hosts))
     if set(by_host) != want:
         missing = sorted(want - set(by_host))
         extra = sorted(set(by_host) - want)
+        what = (f"{len(by_host)} hosts report chip coordinates" if by_coords
+                else f"TPU worker ids {sorted(by_host)} have workers")
         raise LayoutError(
-            f"slice {name} is not whole: TPU worker ids {sorted(by_host)} have workers, "
+            f"slice {name} is not whole: {what}, "
             f"{topology} needs 0..{topology.num_hosts - 1}"
             + (f"; missing {missing}" if missing else "")
             + (f"; unexpected {extra}" if extra else "")
         )
-    for worker_id, host_infos in by_host.items():
-        _check_host_devices(host_infos, topology, name, worker_id)
+    for position, host_infos in by_host.items():
+        _check_host_devices(host_infos, topology, name, position)
     return by_host
 
 
-def _check_host_devices(host_infos: list[WorkerInfo], topology: Topology, name: str, worker_id: int) -> None:
+def _check_host_devices(host_infos: list[WorkerInfo], topology: Topology, name: str, position: int) -> None:
     ip = host_infos[0].node_ip
+    where = f"host {ip} (slice {name}, position {position}, TPU_WORKER_ID={host_infos[0].tpu_worker_id})"
     node_tpus = {i.node_tpus for i in host_infos}
     if node_tpus != {topology.devices_per_host}:
         raise LayoutError(
-            f"host {ip} (slice {name}, TPU_WORKER_ID={worker_id}) reports "
+            f"{where} reports "
             f"{sorted(node_tpus)} TPU resources but a {topology} host has "
             f"{topology.devices_per_host}; every host of a slice must report the same "
             "chip count (check the node's TPU resource and RAY_TPU_RESOURCE_PER_CHIP)"
@@ -224,7 +364,7 @@ def _check_host_devices(host_infos: list[WorkerInfo], topology: Topology, name: 
     ids = sorted(i.tpu_ids[0] for i in host_infos)
     if ids != list(range(topology.devices_per_host)):
         raise LayoutError(
-            f"host {ip} (slice {name}, TPU_WORKER_ID={worker_id}) runs workers on TPU "
+            f"{where} runs workers on TPU "
             f"ids {ids}; a {topology} host needs one worker on each of "
             f"0..{topology.devices_per_host - 1}"
         )

@@ -8,10 +8,13 @@ so node and local ranks end up in whatever order the workers happened to start.
 The narrowest seam is that one static method: ``_assign_worker_ranks`` calls it
 for TPU workers only, then derives world rank (list position), node rank (first
 appearance of each node IP) and local rank (position among the node's workers)
-from the list it returns. We replace it with a sort by (slice name, TPU worker
-id, Ray TPU accelerator id), which makes Ray's ranks equal the ranks of
-`ray_train_tpu.layout`. The method runs in the Train controller actor, which
-imports this module when it unpickles `TPUTorchConfig`.
+from the list it returns. We replace it with a sort by (slice name, host
+position, Ray TPU accelerator id), which makes Ray's ranks equal the ranks of
+`ray_train_tpu.layout`. The host position comes from the function the backend
+installs (`discovery.order_slice_hosts`: chip coordinates when every host has
+them, else TPU worker id), the same one `layout` uses. The method runs in the
+Train controller actor, which imports the backend (and so installs it) when it
+unpickles `TPUTorchConfig`.
 
 Also here: the process-wide torch device manager that Ray picks for a worker
 holding TPU resources (``TPUTorchDeviceManager`` -> ``torch.device("tpu")``),
@@ -21,7 +24,9 @@ that simulation forbids.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import defaultdict
 from typing import Any, Callable, List, Optional
 
 import ray
@@ -55,24 +60,33 @@ def _as_int(value: Any) -> int:
         return _UNKNOWN
 
 
-def sort_tpu_workers(workers: List[Any]) -> List[Any]:
+HostPositions = Callable[[Optional[str], list], dict]  # (slice name, [(ip, worker id, chip)]) -> {ip: position}
+
+
+def sort_tpu_workers(workers: List[Any], identify: Callable = _host_identity,
+                     host_positions: Optional[HostPositions] = None) -> List[Any]:
     """Replacement for ``WorkerGroup._sort_workers_by_tpu_pod_name``: order by
-    (slice name, TPU worker id, TPU accelerator id, node IP)."""
-    identities = ray.get([w.execute_async(_host_identity) for w in workers])
-    return order_tpu_workers(workers, identities)
+    (slice name, host position, TPU accelerator id, node IP). `identify` runs
+    on each worker and returns (TPU_NAME, TPU_WORKER_ID[, chip coordinates])."""
+    identities = ray.get([w.execute_async(identify) for w in workers])
+    return order_tpu_workers(workers, identities, host_positions)
 
 
-def order_tpu_workers(workers: List[Any], identities: List[tuple]) -> List[Any]:
-    """`workers` sorted by their (slice name, TPU worker id) `identities`, then
-    by the lowest Ray TPU accelerator id of each and its node IP."""
+def order_tpu_workers(workers: List[Any], identities: List[tuple],
+                      host_positions: Optional[HostPositions] = None) -> List[Any]:
+    """`workers` sorted by slice name and host position, then by the lowest Ray
+    TPU accelerator id of each and its node IP. `identities` are each worker's
+    (slice name, TPU worker id[, chip coordinates]); `host_positions` places
+    the hosts of one slice (default: by TPU worker id)."""
+    positions = _positions(workers, identities, host_positions)
 
     def key(i: int):
         worker = workers[i]
-        slice_name, worker_id = identities[i]
         tpu_ids = worker.metadata.accelerator_ids.get("TPU") or []
+        position = positions.get((identities[i][0], worker.metadata.node_ip))
         return (
-            slice_name or "",
-            _as_int(worker_id),
+            identities[i][0] or "",
+            _UNKNOWN if position is None else position,
             min((_as_int(t) for t in tpu_ids), default=_UNKNOWN),
             worker.metadata.node_ip,
         )
@@ -80,8 +94,22 @@ def order_tpu_workers(workers: List[Any], identities: List[tuple]) -> List[Any]:
     return [workers[i] for i in sorted(range(len(workers)), key=key)]
 
 
-def install_tpu_worker_order() -> None:
-    """Make Ray Train order TPU workers by slice, TPU worker id and chip. Idempotent."""
+def _positions(workers, identities, host_positions: Optional[HostPositions]) -> dict:
+    by_slice: dict = defaultdict(list)
+    for worker, identity in zip(workers, identities):
+        worker_id = _as_int(identity[1])
+        chip = identity[2] if len(identity) > 2 else None
+        by_slice[identity[0]].append((worker.metadata.node_ip, None if worker_id == _UNKNOWN else worker_id, chip))
+    out = {}
+    for name, claims in by_slice.items():
+        found = host_positions(name, claims) if host_positions else {ip: w for ip, w, _ in claims}
+        out.update({(name, ip): p for ip, p in found.items()})
+    return out
+
+
+def install_tpu_worker_order(identify: Callable = _host_identity, host_positions: Optional[HostPositions] = None) -> None:
+    """Make Ray Train order TPU workers by slice, host position and chip.
+    Idempotent. `identify` and `host_positions` as in `sort_tpu_workers`."""
     if ray.__version__ != TESTED_RAY_VERSION:
         logger.warning(
             "ray_train_tpu's worker-order adapter was tested with Ray %s, found %s; "
@@ -89,7 +117,8 @@ def install_tpu_worker_order() -> None:
             TESTED_RAY_VERSION,
             ray.__version__,
         )
-    WorkerGroup._sort_workers_by_tpu_pod_name = staticmethod(sort_tpu_workers)
+    sort = functools.partial(sort_tpu_workers, identify=identify, host_positions=host_positions)
+    WorkerGroup._sort_workers_by_tpu_pod_name = staticmethod(sort)
 
 
 def uninstall_tpu_worker_order() -> None:
@@ -98,8 +127,9 @@ def uninstall_tpu_worker_order() -> None:
 
 
 def installed_tpu_worker_sort() -> Any:
-    """The function Ray Train now sorts TPU workers with."""
-    return getattr(WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"], "__func__", None)
+    """The function Ray Train now sorts TPU workers with (for ours, `sort_tpu_workers`)."""
+    installed = getattr(WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"], "__func__", None)
+    return getattr(installed, "func", installed)
 
 
 def use_cpu_device_manager() -> None:

@@ -173,6 +173,19 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
         _environ.update(saved)
 
 
+def _coords_env(key, coords, keys) -> dict[str, str]:
+    if tuple(key) not in keys:
+        raise ValueError(f"host_coords key {key!r} is not a (slice id, worker id) of a started host")
+    values = list(coords) if isinstance(coords, (list, tuple)) else None
+    if values is None or len(values) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                     for v in values):
+        raise ValueError(
+            f"host_coords[{tuple(key)!r}] = {coords!r} must be the chip coordinates (x, y, z) of the "
+            "host's first chip: three non-negative integers, e.g. (0, 0, 2)"
+        )
+    return {C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS: ",".join(str(v) for v in values)}
+
+
 def _registration_order(topology: Topology, num_slices: int, host_order, missing) -> list[HostKey]:
     order = list(range(topology.num_hosts)) if host_order is None else list(host_order)
     if sorted(order) != list(range(topology.num_hosts)):
@@ -200,6 +213,7 @@ def simulated_tpu_cluster(
     missing_hosts: Sequence[HostKey] = (),
     stalled_hosts: Sequence[HostKey] = (),
     host_env: Optional[Mapping[HostKey, Mapping[str, str]]] = None,
+    host_coords: Optional[Mapping[HostKey, Sequence[int]]] = None,
     cpus_per_host: Optional[int] = None,
     connect: bool = True,
 ) -> Iterator[SimulatedTPUCluster]:
@@ -216,6 +230,12 @@ def simulated_tpu_cluster(
         host_env: extra variables for the raylets (and so the workers) of some
             hosts, by ``(slice id, worker id)``: fault injection, e.g. the
             ``RAY_TRAIN_TPU_SIMULATE_*`` knobs of `ray_train_tpu.doctor`.
+        host_coords: physical chip coordinates ``(x, y, z)`` of the first chip
+            of some hosts, by ``(slice id, worker id)``, as a real host reads
+            them from torch_tpu. Give every host of a slice coordinates and they
+            order its hosts (torch_tpu's Z-major order), whatever their
+            ``TPU_WORKER_ID`` (which `host_env` may shuffle or repeat); without
+            them, hosts keep TPU worker id order.
         cpus_per_host: logical CPUs per host; default chips + 1, because each of
             Ray Train's TPU bundles also asks for one CPU.
         connect: ``ray.init`` the driver to the cluster (default True).
@@ -237,6 +257,8 @@ def simulated_tpu_cluster(
     for key in host_env:
         if key not in keys:
             raise ValueError(f"host_env key {key!r} is not a (slice id, worker id) of a started host")
+    for key, coords in (host_coords or {}).items():
+        host_env[tuple(key)] = {**host_env.get(tuple(key), {}), **_coords_env(key, coords, keys)}
     cpus = cpus_per_host if cpus_per_host is not None else topo.devices_per_host + 1
     driver_env = dict(SIMULATION_ENV)
     if topo.devices_per_chip > 1:

@@ -54,13 +54,19 @@ def test_pinned_torch_tpu_version_and_seam_exists():
 
 def test_install_is_idempotent_and_reversible():
     import ray_train_tpu.config  # noqa: F401  (installs on import, as in the controller)
+    from ray_train_tpu import _backend, _worker_fns
 
+    def ours():
+        return dict(identify=_worker_fns.host_identity, host_positions=_backend._host_positions)
+
+    installed = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"].__func__
+    assert installed.keywords == ours()  # the same host order as discovery.layout
     assert compat_ray.installed_tpu_worker_sort() is compat_ray.sort_tpu_workers
-    compat_ray.install_tpu_worker_order()
+    compat_ray.install_tpu_worker_order(**ours())
     assert compat_ray.installed_tpu_worker_sort() is compat_ray.sort_tpu_workers
     compat_ray.uninstall_tpu_worker_order()
     assert compat_ray.installed_tpu_worker_sort() is not compat_ray.sort_tpu_workers
-    compat_ray.install_tpu_worker_order()
+    compat_ray.install_tpu_worker_order(**ours())
 
 
 def _worker(ip, tpu):

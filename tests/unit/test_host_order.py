@@ -1,0 +1,289 @@
+"""Host order from physical chip coordinates (issue 17, part 2).
+
+`order_slice_hosts` must give every host the NODE_RANK that torch_tpu's own
+launcher derives from its chip coordinates, whatever TPU_WORKER_ID says
+(shuffled, repeated or missing, as GKE has handed out), and must name every
+host whose id it overrules. Without coordinates for every host, TPU_WORKER_ID
+order stays. The reference is torch_tpu's ``_calculate_topological_node_rank``
+and ``_get_slice_host_coordinates``, run as shipped in a child process (as
+test_torch_tpu_conformance.py runs its launcher).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_train_tpu._compat import ray_train as compat_ray
+from ray_train_tpu.discovery import WorkerInfo, layout, order_slice_hosts
+from ray_train_tpu.topology import Topology
+
+SLICES = [("2x2x4", "TPU-V4"), ("4x4", "TPU-V6E"), ("4x4x4", "TPU-V4"), ("8x16", "TPU-V6E"), ("2x2x2", "TPU-V7X")]
+
+
+def _chips(t):
+    return [t.chip_coords(w, c) for w in range(t.num_hosts) for c in range(t.chips_per_host)]
+
+
+@pytest.fixture(scope="module")
+def torch_tpu_node_ranks():
+    """torch_tpu's NODE_RANK of every chip of every slice, and its host order."""
+    pytest.importorskip("torch_tpu", reason="needs the [tpu] extra (torch-tpu)")
+    cases = {}
+    for name, accel in SLICES:
+        t = Topology.parse(name, accel)
+        cases[t.torch_tpu_topology] = [list(c) for c in _chips(t)]
+    code = (
+        "import json, sys\n"
+        "from torch_tpu._internal.distributed import distributed as d\n"
+        "cases = json.loads(sys.argv[1])\n"
+        "out = {t: {'hosts': d._get_slice_host_coordinates(t),\n"
+        "           'ranks': [d._calculate_topological_node_rank(c, t) for c in chips]}\n"
+        "       for t, chips in cases.items()}\n"
+        "print('RANKS=' + json.dumps(out))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_TPU_", "TPU_", "NODE_RANK", "JOB_COMPLETION"))}
+    env.update({"TPU_SKIP_MDS_QUERY": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=240, check=True).stdout
+    theirs = json.loads(next(l for l in out.splitlines() if l.startswith("RANKS=")).removeprefix("RANKS="))
+    table = {}
+    for name, accel in SLICES:
+        t = Topology.parse(name, accel)
+        mine = theirs[t.torch_tpu_topology]
+        table[(name, accel)] = ({tuple(c): r for c, r in zip(_chips(t), mine["ranks"])},
+                                [tuple(h) for h in mine["hosts"]])
+    return table
+
+
+def _ip(host):
+    return f"10.1.{host // 250}.{host % 250 + 1}"
+
+
+def _infos(t, worker_ids, chip_of, order):
+    """Workers of one slice whose host at grid position p has IP _ip(p) and
+    TPU_WORKER_ID worker_ids[p]; each worker reports the coordinates of its own chip."""
+    infos = []
+    for p in range(t.num_hosts):
+        for d in range(t.devices_per_host):
+            chip = chip_of(p, d)
+            infos.append(dict(node_ip=_ip(p), slice_name="s", tpu_worker_id=worker_ids[p], tpu_ids=(d,),
+                              node_tpus=t.devices_per_host, chip_coords=chip))
+    return [WorkerInfo(index=i, **infos[j]) for i, j in enumerate(order)]
+
+
+@st.composite
+def _slice_with_bad_ids(draw):
+    """A slice, a shuffled assignment of TPU_WORKER_IDs with some repeated or
+    missing, and a shuffled arrival order of its workers."""
+    case = draw(st.sampled_from(SLICES))
+    t = Topology.parse(*case)
+    ids = draw(st.permutations(range(t.num_hosts)))
+    ids = list(ids)
+    for p in draw(st.lists(st.integers(0, t.num_hosts - 1), max_size=3)):
+        ids[p] = draw(st.sampled_from([None, ids[(p + 1) % t.num_hosts]]))  # missing, or another host's id
+    order = draw(st.permutations(range(t.num_devices)))
+    return case, t, ids, list(order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_slice_with_bad_ids())
+def test_ranks_follow_torch_tpu_coordinates_whatever_the_worker_ids(torch_tpu_node_ranks, drawn):
+    case, t, ids, order = drawn
+    node_rank_of_chip, _ = torch_tpu_node_ranks[case]
+
+    def chip_of(p, d):
+        return t.chip_coords(p, d // t.devices_per_chip)
+
+    infos = _infos(t, ids, chip_of, order)
+    out = layout(infos, t, 1)
+    honest = layout(_infos(t, list(range(t.num_hosts)), chip_of, order), t, 1)
+    assert out.ranks == honest.ranks  # the worker ids do not matter, the coordinates do
+    for info, rank in zip(infos, out.ranks):
+        node_rank = rank // t.devices_per_host
+        assert node_rank == node_rank_of_chip[info.chip_coords]  # torch_tpu's NODE_RANK for that chip
+        assert out.hosts[node_rank] == info.node_ip
+        assert rank % t.devices_per_host == info.tpu_ids[0]
+    # every host whose TPU_WORKER_ID is missing, repeated or off is named, with both values
+    named = {w.split()[1] for w in out.warnings}
+    counts = {i: ids.count(i) for i in ids}
+    bad = {_ip(p) for p in range(t.num_hosts) if ids[p] is None or counts[ids[p]] > 1 or ids[p] != p}
+    assert named == bad
+    for warning in out.warnings:
+        p = next(p for p in range(t.num_hosts) if f"host {_ip(p)} " in warning)
+        assert f"position {p} " in warning
+        assert ("has no TPU_WORKER_ID" if ids[p] is None else f"TPU_WORKER_ID={ids[p]}") in warning
+    assert not out.notes and not honest.warnings
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(SLICES), st.randoms())
+def test_host_order_is_torch_tpus(torch_tpu_node_ranks, case, rnd):
+    """Hosts listed in any order with any of their chips: positions are the
+    index in torch_tpu's `_get_slice_host_coordinates` order."""
+    t = Topology.parse(*case)
+    _, their_hosts = torch_tpu_node_ranks[case]
+    claims = [(f"h{h}", rnd.choice([None, 7]), tuple(c * b + rnd.randrange(b) for c, b in zip(h, (2, 2, 1))))
+              for h in their_hosts]
+    rnd.shuffle(claims)
+    got = order_slice_hosts("s", claims)
+    assert got.by_coords
+    assert {ip: p for ip, p in got.positions.items()} == {f"h{h}": i for i, h in enumerate(their_hosts)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(SLICES[:3]), st.data())
+def test_without_coordinates_for_every_host_worker_ids_stay(case, data):
+    t = Topology.parse(*case)
+    hosts = list(range(t.num_hosts))
+    without = set(data.draw(st.lists(st.sampled_from(hosts), min_size=1, unique=True)))
+    ids = data.draw(st.permutations(hosts))
+    claims = [(_ip(p), ids[p], None if p in without else t.chip_coords(p, 0)) for p in hosts]
+    got = order_slice_hosts("s", claims)
+    assert not got.by_coords
+    assert got.positions == {_ip(p): ids[p] for p in hosts}
+    if len(without) == len(hosts):  # one line for the slice, none per host
+        assert got.note and "no host reports TPU chip coordinates" in got.note and not got.warnings
+    else:
+        assert got.note is None and len(got.warnings) == 1
+        assert all(_ip(p) in got.warnings[0] for p in without)
+    infos = _infos(t, list(ids), lambda p, d: None if p in without else t.chip_coords(p, d // t.devices_per_chip),
+                   range(t.num_devices))
+    out = layout(infos, t, 1)
+    assert out.hosts == [_ip(ids.index(w)) for w in hosts]
+
+
+def test_coordinates_that_do_not_separate_the_hosts_are_refused():
+    # every host reports (0, 0, 0): e.g. libtpu seeing a one-chip slice per process
+    got = order_slice_hosts("s", [("a", 1, (0, 0, 0)), ("b", 0, (1, 1, 0))])
+    assert not got.by_coords and got.positions == {"a": 1, "b": 0}
+    assert "put hosts a, b in the same host position (0, 0, 0)" in got.warnings[0]
+    # two workers of one host that disagree about their host
+    got = order_slice_hosts("s", [("a", 0, (0, 0, 0)), ("a", 0, (0, 0, 1)), ("b", 1, (0, 0, 2))])
+    assert not got.by_coords and "workers of host a report chips of different hosts" in got.warnings[0]
+
+
+def test_duplicate_worker_ids_are_an_error_only_without_coordinates():
+    t = Topology.parse("2x2x4", "TPU-V4")
+    ids = [1, 1, 3, 0]
+    with_coords = _infos(t, ids, lambda p, d: t.chip_coords(p, d), range(t.num_devices))
+    assert layout(with_coords, t, 1).hosts == [_ip(p) for p in range(4)]
+    without = _infos(t, ids, lambda p, d: None, range(t.num_devices))
+    with pytest.raises(ValueError, match="TPU_WORKER_ID=1 of slice s is claimed by several hosts"):
+        layout(without, t, 1)
+
+
+def _worker(ip, tpu):
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(node_ip=ip, accelerator_ids={"TPU": [str(tpu)]}))
+
+
+@settings(max_examples=30, deadline=None)
+@given(_slice_with_bad_ids(), st.booleans())
+def test_ray_train_worker_sort_agrees_with_layout(drawn, coords):
+    """The worker sort installed into Ray Train gives the ranks `layout` gives
+    (the backend fails the attempt if they differ)."""
+    from ray_train_tpu import _backend
+
+    case, t, ids, order = drawn
+    if not coords:
+        ids = list(range(t.num_hosts))[::-1]
+    chip_of = (lambda p, d: t.chip_coords(p, d // t.devices_per_chip)) if coords else (lambda p, d: None)
+    infos = _infos(t, ids, chip_of, order)
+    workers = [_worker(i.node_ip, i.tpu_ids[0]) for i in infos]
+    identities = [(i.slice_name, None if i.tpu_worker_id is None else str(i.tpu_worker_id), i.chip_coords)
+                  for i in infos]
+    ranked = compat_ray.order_tpu_workers(workers, identities, _backend._host_positions)
+    by_ray = [infos[workers.index(w)] for w in ranked]
+    relabelled = [WorkerInfo(**{**i.__dict__, "index": k}) for k, i in enumerate(by_ray)]
+    assert layout(relabelled, t, 1).ranks == list(range(t.num_devices))
+
+
+# --- the worker side: torch_tpu's coordinate query (with a fake child) and the simulated knob ---
+
+from ray_train_tpu import constants as C  # noqa: E402
+from ray_train_tpu._compat import torch_tpu as compat_torch_tpu  # noqa: E402
+
+
+def _fake_child(monkeypatch, script, chips=4):
+    monkeypatch.setattr(compat_torch_tpu, "tpu_chip_count", lambda: chips)
+    monkeypatch.setattr(compat_torch_tpu, "_coords_argv", lambda: [sys.executable, "-c", script])
+
+
+def test_torch_tpu_coordinate_query_is_torch_tpus_child_process():
+    # the child we run is the one torch_tpu's `_query_local_device_coords` runs
+    argv = compat_torch_tpu._coords_argv()
+    assert argv[1:] == ["-m", "torch_tpu._internal.distributed.distributed", "--print_local_device_coords"]
+    pytest.importorskip("torch_tpu", reason="needs the [tpu] extra (torch-tpu)")
+    import importlib.util
+
+    source = open(importlib.util.find_spec(compat_torch_tpu.COORDS_MODULE).origin).read()
+    for name in (compat_torch_tpu.COORDS_FLAG, compat_torch_tpu.COORDS_PREFIX,
+                 "tpu_distributed.local_device_coords()", "def _query_local_device_coords"):
+        assert name in source, name
+
+
+def test_coordinates_from_a_fake_child(monkeypatch):
+    _fake_child(monkeypatch, "print('libtpu says hello'); print('TORCH_TPU_LOCAL_DEVICE_COORDS=[3, 2, 1, 0]')")
+    assert compat_torch_tpu.local_chip_coords() == (3, 2, 1)
+    # the child inherits this process's environment and sys.path, as torch_tpu's does
+    _fake_child(monkeypatch, "import os; print('TORCH_TPU_LOCAL_DEVICE_COORDS=[' + os.environ['MY_X'] + ', 0, 0]')")
+    monkeypatch.setenv("MY_X", "5")
+    assert compat_torch_tpu.local_chip_coords() == (5, 0, 0)
+
+
+@pytest.mark.parametrize("script, why", [
+    ("import sys; sys.exit(3)", "exit status 3"),
+    ("import time; time.sleep(30)", "timed out"),
+    ("print('nothing useful')", "printed no"),
+    ("print('TORCH_TPU_LOCAL_DEVICE_COORDS=[1, 2')", "printed no"),
+    ("print('TORCH_TPU_LOCAL_DEVICE_COORDS=[\"a\", 2, 3]')", "printed no"),
+])
+def test_a_failing_child_gives_none_and_a_warning(monkeypatch, caplog, script, why):
+    _fake_child(monkeypatch, script)
+    assert compat_torch_tpu.local_chip_coords(timeout_s=2) is None
+    assert why in caplog.text
+
+
+def test_no_tpu_no_child(monkeypatch):
+    _fake_child(monkeypatch, "raise SystemExit('must not run')", chips=0)
+    monkeypatch.setattr(compat_torch_tpu, "_coords_argv", lambda: pytest.fail("no child without TPUs"))
+    assert compat_torch_tpu.local_chip_coords() is None
+
+
+def test_simulated_coordinates_are_read_only_on_simulated_hosts(monkeypatch):
+    from ray_train_tpu import _worker_fns
+
+    monkeypatch.setattr(_worker_fns, "_COORDS", {})
+    monkeypatch.setenv(C.RAY_TRAIN_TPU_SIMULATE, "1")
+    monkeypatch.setenv(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS, "0,0,3")
+    monkeypatch.setenv(C.TPU_NAME, "sim")
+    monkeypatch.setenv(C.TPU_WORKER_ID, "1")
+    assert _worker_fns.host_identity() == ("sim", "1", (0, 0, 3))
+    # on a real host the knob is ignored: torch_tpu answers (here: no TPU)
+    monkeypatch.setattr(_worker_fns, "_COORDS", {})
+    monkeypatch.delenv(C.RAY_TRAIN_TPU_SIMULATE)
+    monkeypatch.setattr(compat_torch_tpu, "local_chip_coords", lambda: None)
+    assert _worker_fns.chip_coords() is None
+    monkeypatch.setattr(_worker_fns, "_COORDS", {})
+    monkeypatch.setenv(C.RAY_TRAIN_TPU_SIMULATE, "1")
+    monkeypatch.setenv(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS, "0,0")
+    with pytest.raises(ValueError, match=r"RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS='0,0' is not three"):
+        _worker_fns.chip_coords()
+
+
+@pytest.mark.parametrize("coords, match", [
+    ({(0, 9): (0, 0, 0)}, r"host_coords key \(0, 9\) is not"),
+    ({(0, 0): (0, 0)}, r"host_coords\[\(0, 0\)\] = \(0, 0\) must be the chip coordinates"),
+    ({(0, 0): (0, -1, 0)}, "three non-negative integers"),
+])
+def test_simulated_cluster_checks_host_coords_before_starting(coords, match):
+    from ray_train_tpu.testing import simulated_tpu_cluster
+
+    with pytest.raises(ValueError, match=match):
+        with simulated_tpu_cluster("2x2x4", "TPU-V4", host_coords=coords, connect=False):
+            pass
