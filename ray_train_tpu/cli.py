@@ -1,4 +1,4 @@
-"""``python -m ray_train_tpu <command>``: plan, demo, doctor, kuberay, serve.
+"""``python -m ray_train_tpu <command>``: plan, demo, doctor, kuberay, serve, rl-demo.
 
 Bad input is one line on stderr and exit status 2, never a traceback.
 """
@@ -20,6 +20,7 @@ from ray_train_tpu.topology import GENERATIONS, Topology
 # import Ray or torch at module level, so that `plan` stays fast.
 _COMMAND_MODULES: tuple[str, ...] = (
     "ray_train_tpu.kuberay", "ray_train_tpu.demo", "ray_train_tpu.doctor", "ray_train_tpu.serve.cli",
+    "ray_train_tpu.rl.cli",
 )
 
 

@@ -36,32 +36,44 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(list(state_dict.items())), is_checkpoint_format=True)
         return len(state_dict)
 
-    def rl_weight_digests(self) -> dict:
-        """``{"digests": {engine tensor name: digest}, "packed": packed_modules_mapping,
-        "dtype": str}`` of the model as its kernels see it."""
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        from ray_train_tpu.rl.weights import digest
+    def rl_weight_digests(self, layout: dict) -> dict:
+        """Digests of the model as its kernels see it, cut into the trainer's
+        pieces and shards (``layout``: rows per shard of every Hugging Face-named
+        tensor last loaded); see `ray_train_tpu.rl.weights.split_digests`."""
+        from ray_train_tpu.rl.weights import split_digests
 
         model = self.model_runner.get_model()
-        out, linear_prefixes = {}, []
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        out = {}
         with torch.inference_mode():
-            for name, module in model.named_modules():
-                if isinstance(module, LinearBase) and getattr(module, "quant_method", None) is not None:
-                    linear_prefixes.append(name + ".")
-                    out[name + ".weight"] = digest(_effective_weight(module))
-                    if getattr(module, "bias", None) is not None:
-                        out[name + ".bias"] = digest(module.bias)
-                elif isinstance(module, VocabParallelEmbedding):
-                    # vLLM pads the vocabulary (to a multiple of 64): the rows past it are not the model's.
-                    linear_prefixes.append(name + ".")
-                    out[name + ".weight"] = digest(module.weight[: module.org_vocab_size])
-            for name, param in model.named_parameters():
-                if not any(name.startswith(p) for p in linear_prefixes):
-                    out[name] = digest(param)
-        dtype = str(self.model_runner.model_config.dtype)
-        return {"digests": out, "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}), "dtype": dtype}
+            for name, tensor in _effective_tensors(model):
+                out.update(split_digests(name, tensor, packed, layout))
+        return out
+
+
+def _effective_tensors(model):
+    """``(engine name, tensor)`` for every weight, as the model computes with it;
+    a tensor shared by two modules (tied embeddings) once."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    seen, covered = set(), []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and getattr(module, "quant_method", None) is not None:
+            covered.append(name + ".")
+            yield name + ".weight", _effective_weight(module)
+            if getattr(module, "bias", None) is not None:
+                yield name + ".bias", module.bias
+        elif isinstance(module, VocabParallelEmbedding):
+            covered.append(name + ".")
+            if id(module.weight) not in seen:
+                seen.add(id(module.weight))
+                # vLLM pads the vocabulary (to a multiple of 64): the rows past it are not the model's.
+                yield name + ".weight", module.weight[: module.org_vocab_size]
+    for name, param in model.named_parameters():
+        if not any(name.startswith(p) for p in covered) and id(param) not in seen:
+            seen.add(id(param))
+            yield name, param
 
 
 def _effective_weight(layer) -> torch.Tensor:

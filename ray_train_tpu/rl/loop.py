@@ -9,9 +9,10 @@ One step, driven from here (the single controller):
    then group-relative advantages (`grpo.group_advantages`);
 3. **train** – one FSDP2 optimizer step over slice A (`policy.PolicyWorker`),
    and every ``checkpoint_every`` steps a checkpoint (`ray_train_tpu.checkpoint`);
-4. **sync** – rank 0's full state dict, in the engine's dtype, goes through
-   Ray's object store into every engine with vLLM's own loader; then the
-   **parity** check: the engine's weights must equal the trainer's bit for bit.
+4. **sync** – every trainer rank's shard of the weights (or rank 0's gathered
+   state dict), in the engine's dtype, goes through Ray's object store into
+   every engine with vLLM's own loader; then the **parity** check: every
+   engine's weights must equal the trainer's bit for bit, shard by shard.
 
 The two slices never share a process group: the trainer's spans slice A only
 (``setup_process_group``), each engine is a single vLLM worker.
@@ -61,6 +62,9 @@ class GRPOConfig:
         num_engines: vLLM engines on the rollout slice, one chip each.
         engine_dtype: the engine's weights (``"bfloat16"`` or ``"float32"``);
             the trainer keeps float32 master weights and casts when it syncs.
+        weight_sync: ``"shards"`` (every trainer rank puts its own FSDP2 shard in
+            the object store; no gather) or ``"full"`` (rank 0 gathers the full
+            state dict and puts it).
         checkpoint_dir: where trainer checkpoints go (default: a new temporary
             directory); must be shared by the trainer's hosts.
         checkpoint_every: steps between checkpoints.
@@ -80,6 +84,7 @@ class GRPOConfig:
     accelerator_type: str = "TPU-V4"
     num_engines: int = 1
     engine_dtype: str = "bfloat16"
+    weight_sync: str = "shards"
     max_model_len: int = 64
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 5
@@ -94,6 +99,8 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig({name}={value!r}) must be an integer >= 1")
         if not self.lr > 0:
             raise ValueError(f"GRPOConfig(lr={self.lr!r}) must be > 0")
+        if self.weight_sync not in ("shards", "full"):
+            raise ValueError(f"GRPOConfig(weight_sync={self.weight_sync!r}) must be 'shards' or 'full'")
         if self.engine_dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"GRPOConfig(engine_dtype={self.engine_dtype!r}) must be 'bfloat16', 'float16' "
                              "or 'float32'")
@@ -277,7 +284,8 @@ class GRPOLoop:
     def _sync(self, check: bool = True) -> dict:
         """Trainer -> object store -> every engine; then the parity check."""
         t0 = time.perf_counter()
-        wrapped = self.trainer.call("publish_weights", self.config.engine_dtype)[0]
+        wrapped = [ref for r in self.trainer.call("publish_weights", self.config.engine_dtype,
+                                                  self.config.weight_sync) if r for ref in r]
         t1 = time.perf_counter()
         load_s = self.pool.sync(wrapped)
         t2 = time.perf_counter()
@@ -292,11 +300,10 @@ class GRPOLoop:
         from ray_train_tpu.rl.weights import mismatches
 
         engines = self.pool.digests()
-        first = engines[0]
-        self.last_engine_digests = first["digests"]
-        expected = self.trainer.call("expected_digests", sorted(first["digests"]), first["packed"])[0]
+        self.last_engine_digests = engines[0]
+        expected = {k: v for part in self.trainer.call("shard_digests") for k, v in part.items()}
         for i, got in enumerate(engines):
-            bad = mismatches(expected, got["digests"])
+            bad = mismatches(expected, got)
             if bad:
                 raise WeightSyncError(f"rollout engine {i} differs from the trainer in {len(bad)} of "
                                       f"{len(expected)} tensors after a sync: {'; '.join(bad[:3])}")

@@ -14,9 +14,9 @@ runs the same backend), and it spans slice A only.
 
 Each step every rank takes rows ``rank::world_size`` of the batch; the loss is
 scaled so that FSDP2's gradient average equals the token mean of the whole
-batch. After the optimizer step, `PolicyWorker.publish_weights` gathers the full
-state dict (a collective on every rank), and rank 0 casts it to the engine's
-dtype and puts it in Ray's object store.
+batch. After the optimizer step, `PolicyWorker.publish_weights` puts each rank's
+own shard of the weights, cast to the engine's dtype, in Ray's object store (no
+collective; or, with ``mode="full"``, rank 0's gathered full state dict).
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 
+def _local(param):
+    """This rank's part of a parameter (FSDP2 holds DTensors sharded on dim 0)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 class PolicyWorker:
     """One rank of the trainer (a Ray actor holding ``{"TPU": 1}`` on slice A).
 
     Call `build` once the process group exists, then `train_step`,
-    `publish_weights`, `expected_digests`, `save` and `load` on every rank
-    (they are collective), except `expected_digests` (rank 0's answer counts).
+    `publish_weights`, `shard_digests`, `save` and `load` on every rank.
     """
 
     def __init__(self, model_dir: str, *, lr: float, seed: int, max_grad_norm: float = 1.0,
@@ -90,31 +94,43 @@ class PolicyWorker:
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return {"loss": stats[0].item(), "logprob_gap": stats[1].item(), "grad_norm": float(grad_norm)}
 
-    def publish_weights(self, dtype: str) -> Optional[list]:
-        """Gather the full state dict (collective); rank 0 returns ``[ObjectRef]``
-        of it cast to ``dtype`` (wrapped, so that Ray passes the reference on)."""
+    def publish_weights(self, dtype: str, mode: str = "shards") -> Optional[list]:
+        """Put this rank's weights, cast to ``dtype``, in Ray's object store and
+        return ``[ObjectRef]`` (wrapped, so that Ray passes the reference on).
+
+        ``"shards"``: every rank its own FSDP2 shard of every parameter (dim 0,
+        Hugging Face names), no collective; the engine concatenates them in rank
+        order. ``"full"``: the full state dict gathered to rank 0 (a collective on
+        every rank; the other ranks return None).
+        """
         import ray
         import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
-            return None
-        self._published = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in full.items()}
-        return [ray.put(self._published)]
+        cast = getattr(torch, dtype)
+        if mode == "shards":
+            local = {n: _local(p).detach().to(cast).contiguous() for n, p in self.model.named_parameters()}
+            self._published = (self.rank, local)
+        elif mode == "full":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    def expected_digests(self, names: list, packed: dict) -> Optional[dict]:
-        """Rank 0: digests of what the engine should hold under ``names``, from
-        the state dict last published (the trainer's weights in the engine's
-        dtype); None on other ranks."""
-        from ray_train_tpu.rl.weights import digest, engine_layout
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                self._published = None
+                return None
+            named = {n for n, _ in self.model.named_parameters()}  # tied duplicates and buffers stay behind
+            self._published = (0, {k: v.to(cast).contiguous() for k, v in full.items() if k in named})
+        else:
+            raise ValueError(f"publish_weights(mode={mode!r}) must be 'shards' or 'full'")
+        return [ray.put(self._published[1])]
 
-        if self.rank != 0:
-            return None
+    def shard_digests(self) -> dict:
+        """``{"<name>#<shard>": digest}`` of what this rank published last ({} if nothing)."""
+        from ray_train_tpu.rl.weights import digest, shard_key
+
         if self._published is None:
-            raise RuntimeError("expected_digests before publish_weights")
-        tied = {"lm_head.weight": "model.embed_tokens.weight"}
-        return {k: digest(v) for k, v in engine_layout(self._published, names, packed, tied).items()}
+            return {}
+        shard, tensors = self._published
+        return {shard_key(n, shard): digest(t) for n, t in tensors.items()}
 
     def save(self, directory: str, step: int) -> None:
         from ray_train_tpu import checkpoint

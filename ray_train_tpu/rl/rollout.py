@@ -94,17 +94,25 @@ class RolloutEngine:
                  for c in out.outputs] for out in outputs]
 
     def load_weights(self, wrapped: list) -> float:
-        """Load ``ray.get(wrapped[0])`` (a Hugging Face-named state dict) with
-        vLLM's own loader; returns the seconds it took after the transfer."""
+        """Load the weights behind ``wrapped`` (ObjectRefs of Hugging Face-named
+        state dicts, the trainer's shards in rank order: concatenated along dim 0)
+        with vLLM's own loader; returns the seconds it took after the transfer."""
         import ray
+        import torch
 
-        state_dict = ray.get(wrapped[0])
+        shards = ray.get(list(wrapped))
         start = time.perf_counter()
-        self.llm.collective_rpc("rl_load_weights", args=(state_dict,))
+        self._layout = {n: [s[n].shape[0] for s in shards] for n in shards[0]}
+        full = {n: torch.cat([s[n] for s in shards]) if len(shards) > 1 else shards[0][n] for n in shards[0]}
+        self.llm.collective_rpc("rl_load_weights", args=(full,))
         return time.perf_counter() - start
 
     def weight_digests(self) -> dict:
-        return self.llm.collective_rpc("rl_weight_digests")[0]
+        """``{"<hf name>#<shard>": digest}`` of the weights the engine computes with,
+        cut as the last weights loaded were (see `ray_train_tpu.rl.weights`)."""
+        if getattr(self, "_layout", None) is None:
+            raise RuntimeError("weight_digests before load_weights: nothing to compare with yet")
+        return self.llm.collective_rpc("rl_weight_digests", args=(self._layout,))[0]
 
     def pid(self) -> int:
         import os

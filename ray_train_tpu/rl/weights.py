@@ -1,21 +1,26 @@
-"""Weight parity between the trainer and the rollout engine, bit for bit.
+"""Weight parity between the trainer and the rollout engine, bit for bit, shard by shard.
 
-The engine holds some weights fused (vLLM's ``packed_modules_mapping``: e.g.
-``qkv_proj`` = ``[q_proj; k_proj; v_proj]`` along dim 0) where the trainer's
-Hugging Face model holds them apart. `engine_layout` builds, from the trainer's
-full state dict, the tensor the engine should hold under each of its names;
-`digest` hashes a tensor's bytes; `mismatches` names every tensor that differs.
+The trainer holds each parameter sharded along dim 0 (FSDP2), under its Hugging
+Face name; the engine holds some parameters fused (vLLM's
+``packed_modules_mapping``: ``qkv_proj`` = ``[q_proj; k_proj; v_proj]`` along
+dim 0) and whole. Both sides therefore describe their weights the same way: a
+digest per ``"<hf name>#<shard>"``, the engine splitting its tensors back into
+the pieces and rows the trainer sent (`split_digests`). Nothing is gathered to
+check parity.
 
-Signed zeros: the engine side reads linear layers back through their kernels
-(see ``_vllm_worker``), where ``-0.0`` comes back as ``+0.0``; digests are
-taken of ``t + 0.0``, which maps ``-0.0`` to ``+0.0`` and changes nothing else.
+Signed zeros: the engine reads linear layers back through their kernels (see
+``_vllm_worker``), where ``-0.0`` comes back as ``+0.0``; digests are taken of
+``t + 0.0``, which maps ``-0.0`` to ``+0.0`` and changes nothing else.
 
 Example:
     >>> import torch
-    >>> sd = {"l.q_proj.weight": torch.ones(2, 3), "l.k_proj.weight": torch.zeros(1, 3)}
-    >>> t = engine_layout(sd, ["l.qk_proj.weight"], {"qk_proj": ["q_proj", "k_proj"]})
-    >>> t["l.qk_proj.weight"].shape
-    torch.Size([3, 3])
+    >>> packed = {"qk_proj": ["q_proj", "k_proj"]}
+    >>> hf_names("l.qk_proj.weight", packed)
+    ['l.q_proj.weight', 'l.k_proj.weight']
+    >>> fused = torch.arange(6.0).view(3, 2)          # q: rows 0-1, k: row 2
+    >>> layout = {"l.q_proj.weight": [1, 1], "l.k_proj.weight": [1, 0]}
+    >>> sorted(split_digests("l.qk_proj.weight", fused, packed, layout))
+    ['l.k_proj.weight#0', 'l.k_proj.weight#1', 'l.q_proj.weight#0', 'l.q_proj.weight#1']
     >>> mismatches({"a": digest(torch.ones(2))}, {"a": digest(torch.ones(2)), "b": "x"})
     ['b: in the engine, not in the trainer']
 """
@@ -23,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Sequence
 
 import torch
 
@@ -36,38 +41,39 @@ def digest(tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _unpacked_names(name: str, packed: Mapping[str, list]) -> Optional[list[str]]:
-    parts = name.split(".")
+def shard_key(name: str, shard: int) -> str:
+    return f"{name}#{shard}"
+
+
+def hf_names(engine_name: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """The trainer's names of the pieces of one engine tensor (itself if not fused)."""
+    parts = engine_name.split(".")
     for fused, pieces in packed.items():
         if fused in parts:
             i = parts.index(fused)
             return [".".join(parts[:i] + [p] + parts[i + 1:]) for p in pieces]
-    return None
+    return [engine_name]
 
 
-def engine_layout(state_dict: Mapping[str, torch.Tensor], names: Iterable[str],
-                  packed: Mapping[str, list], tied: Mapping[str, str] = None) -> dict[str, torch.Tensor]:
-    """The tensor the engine should hold under each of ``names``, from the trainer's
-    unfused ``state_dict``; ``tied`` maps an engine name to the state-dict name it
-    shares (e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
-    tied = dict(tied or {})
+def split_digests(engine_name: str, tensor: torch.Tensor, packed: Mapping[str, Sequence[str]],
+                  layout: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """Digests of one engine tensor cut into the trainer's pieces and shards:
+    ``layout[hf_name]`` is the rows of that tensor in each shard, in shard order."""
+    names = hf_names(engine_name, packed)
+    missing = [n for n in names if n not in layout]
+    if missing:
+        raise KeyError(f"engine tensor {engine_name!r} has no counterpart {missing} in the weights the trainer "
+                       f"sent (packed modules {dict(packed)}); is the engine serving another model?")
     out = {}
-    for name in names:
-        pieces = _unpacked_names(name, packed)
-        if pieces is not None and all(p in state_dict for p in pieces):
-            out[name] = torch.cat([state_dict[p] for p in pieces], dim=0)
-        elif name in state_dict:
-            out[name] = state_dict[name]
-        elif name in tied and tied[name] in state_dict:
-            out[name] = state_dict[tied[name]]
-        else:
-            raise KeyError(f"engine tensor {name!r} has no counterpart in the trainer's state dict "
-                           f"(packed modules {dict(packed)}); is the engine serving another model?")
+    pieces = tensor.split([sum(layout[n]) for n in names], dim=0)
+    for name, piece in zip(names, pieces):
+        for shard, part in enumerate(piece.split(list(layout[name]), dim=0)):
+            out[shard_key(name, shard)] = digest(part)
     return out
 
 
 def mismatches(trainer: Mapping[str, str], engine: Mapping[str, str]) -> list[str]:
-    """Names whose digests differ or that only one side holds, one line each."""
+    """Keys whose digests differ or that only one side holds, one line each."""
     out = [f"{n}: digest differs" for n in sorted(set(trainer) & set(engine)) if trainer[n] != engine[n]]
     out += [f"{n}: in the engine, not in the trainer" for n in sorted(set(engine) - set(trainer))]
     out += [f"{n}: in the trainer, not in the engine" for n in sorted(set(trainer) - set(engine))]

@@ -75,12 +75,13 @@ def test_reward_rises_and_engine_equals_trainer_after_every_sync(loop):
 def test_parity_check_catches_a_wrong_weight(loop):
     import torch
 
-    state = ray.get(loop.trainer.call("publish_weights", loop.config.engine_dtype)[0][0])
+    wrapped = [r[0] for r in loop.trainer.call("publish_weights", loop.config.engine_dtype, "shards")]
+    shards = ray.get(wrapped)
     name = "model.layers.1.mlp.down_proj.weight"
-    state[name] = state[name].clone()
-    state[name][3, 7] = state[name][3, 7] + torch.tensor(0.5, dtype=state[name].dtype)
-    loop.pool.sync([ray.put(state)])
-    with pytest.raises(WeightSyncError, match="down_proj"):
+    shards[2][name] = shards[2][name].clone()
+    shards[2][name][0, 7] += torch.tensor(0.5, dtype=shards[2][name].dtype)
+    loop.pool.sync([ray.put(s) for s in shards])
+    with pytest.raises(WeightSyncError, match=r"in 1 of .*down_proj.weight#2: digest differs"):
         loop.check_parity()
     loop._sync(check=True)  # the trainer's weights again
 

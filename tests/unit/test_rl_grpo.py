@@ -8,7 +8,7 @@ import torch
 from ray_train_tpu.rl import grpo, tasks, weights
 from ray_train_tpu.rl.grpo import build_batch, group_advantages, grpo_loss, token_logprobs
 from ray_train_tpu.rl.tasks import Prompt, addition_task, chat_addition_task, strict_answer_reward
-from ray_train_tpu.rl.weights import digest, engine_layout, mismatches
+from ray_train_tpu.rl.weights import digest, hf_names, mismatches, split_digests
 
 
 @pytest.mark.parametrize("module", [grpo, tasks, weights])
@@ -113,15 +113,28 @@ def test_sharded_loss_sums_to_the_whole_batch_loss():
     assert torch.allclose(sum(parts) / world, whole)
 
 
-def test_engine_layout_fuses_packed_modules_and_resolves_ties():
-    sd = {"m.q_proj.weight": torch.ones(2, 2), "m.k_proj.weight": 2 * torch.ones(1, 2),
-          "m.v_proj.weight": 3 * torch.ones(1, 2), "emb.weight": torch.arange(4.0).view(2, 2)}
-    out = engine_layout(sd, ["m.qkv_proj.weight", "lm_head.weight", "emb.weight"],
-                        {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied={"lm_head.weight": "emb.weight"})
-    assert out["m.qkv_proj.weight"][:, 0].tolist() == [1, 1, 2, 3]
-    assert torch.equal(out["lm_head.weight"], sd["emb.weight"])
+def test_split_digests_matches_the_trainers_shards_of_a_fused_tensor():
+    """What the trainer's ranks hash (their dim-0 shards of q, k, v) is what the engine
+    hashes after cutting its fused qkv tensor with the layout it was sent."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 3), torch.randn(2, 3), torch.randn(2, 3)
+    world = 2
+    trainer = {}
+    layout = {}
+    for name, t in (("m.q_proj.weight", q), ("m.k_proj.weight", k), ("m.v_proj.weight", v)):
+        shards = list(torch.chunk(t, world))  # FSDP2's dim-0 sharding
+        layout[name] = [s.shape[0] for s in shards]
+        trainer.update({f"{name}#{r}": digest(s) for r, s in enumerate(shards)})
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    fused = torch.cat([q, k, v])
+    assert split_digests("m.qkv_proj.weight", fused, packed, layout) == trainer
+    wrong = fused.clone()
+    wrong[6, 1] += 1.0  # inside k's shard 1 ... row 6 = k row 1
+    bad = mismatches(trainer, split_digests("m.qkv_proj.weight", wrong, packed, layout))
+    assert bad == ["m.k_proj.weight#1: digest differs"]
+    assert hf_names("m.o_proj.weight", packed) == ["m.o_proj.weight"]
     with pytest.raises(KeyError, match="no counterpart"):
-        engine_layout(sd, ["other.weight"], {})
+        split_digests("other.weight", torch.ones(1), packed, layout)
 
 
 def test_digest_is_bitwise_and_dtype_aware():
@@ -133,3 +146,38 @@ def test_digest_is_bitwise_and_dtype_aware():
     assert digest(t.to(torch.bfloat16)) != digest(t)
     assert digest(torch.tensor([-0.0])) == digest(torch.tensor([0.0]))
     assert mismatches({"a": digest(t)}, {"a": digest(u)}) == ["a: digest differs"]
+
+
+def test_rl_demo_rejects_bad_input_before_starting_anything():
+    import io
+
+    from ray_train_tpu.cli import main
+
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1"), (["--samples", "1"], "--samples must be >= 2"),
+                          (["--temperature", "0"], "--temperature must be > 0")):
+        err = io.StringIO()
+        assert main(["rl-demo", *argv], out=io.StringIO(), err=err) == 2
+        assert message in err.getvalue()
+
+
+def test_grpo_config_names_the_bad_field(tmp_path):
+    from ray_train_tpu.rl.loop import GRPOConfig
+    from ray_train_tpu.rl.rollout import SamplingConfig
+
+    with pytest.raises(ValueError, match="num_prompts"):
+        GRPOConfig(model_dir=str(tmp_path), num_prompts=0)
+    with pytest.raises(ValueError, match="model_dir"):
+        GRPOConfig(model_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="engine_dtype"):
+        GRPOConfig(model_dir=str(tmp_path), engine_dtype="int8")
+    with pytest.raises(ValueError, match="n=1"):
+        SamplingConfig(n=1)
+
+
+def test_cli_and_package_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, ray_train_tpu.rl, ray_train_tpu.rl.cli, ray_train_tpu.cli; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
