@@ -58,7 +58,7 @@ def sync_vs_size(name: str, model_dir: str, syncs: int) -> dict:
 
     from ray_train_tpu.rl.loop import GRPOLoop
 
-    with GRPOLoop(_config(model_dir, max_model_len=128)) as loop:
+    with GRPOLoop(_config(model_dir, max_model_len=128 if name.startswith("smollm2") else 64)) as loop:
         runs = [loop._sync(check=True) for _ in range(syncs)]
         wrapped = [r[0] for r in loop.trainer.call("publish_weights", loop.config.engine_dtype, "shards")]
         nbytes = sum(t.numel() * t.element_size() for shard in ray.get(wrapped) for t in shard.values())

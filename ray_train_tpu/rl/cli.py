@@ -54,7 +54,7 @@ def _config(args, cache_dir=None):
         tok = AutoTokenizer.from_pretrained(model_dir)
         task = chat_addition_task(lambda m: tok.apply_chat_template(
             [{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True), max_operand=9)
-        max_tokens, lr, width = 6, 2e-6, 128
+        max_tokens, lr, width = 12, 2e-6, 128
     return GRPOConfig(model_dir=model_dir, task=task, num_prompts=args.prompts, seed=args.seed,
                       sampling=SamplingConfig(n=args.samples, temperature=args.temperature, max_tokens=max_tokens),
                       lr=args.lr or lr, num_engines=args.engines, max_model_len=width)

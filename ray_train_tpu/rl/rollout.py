@@ -36,6 +36,9 @@ ENGINE_ENV = {
 }
 SIMULATION_ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on the CPU backend
+# Fault injection on simulated hosts only: seconds every generate call waits first,
+# so that a test can kill an engine while its call is surely in flight.
+SIMULATE_ROLLOUT_DELAY_ENV = "RAY_TRAIN_TPU_SIMULATE_ROLLOUT_DELAY_S"
 EXTENSION = "ray_train_tpu.rl._vllm_worker.WeightSyncExtension"
 
 
@@ -85,6 +88,9 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        delay = _environ.get(SIMULATE_ROLLOUT_DELAY_ENV)
+        if delay and is_simulated():
+            time.sleep(float(delay))
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests]
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
                                  logprobs=0, seed=seed) for _, seed in requests]

@@ -30,6 +30,7 @@ except importlib.metadata.PackageNotFoundError:
 
 from ray_train_tpu.rl.loop import GRPOConfig, GRPOLoop, WeightSyncError  # noqa: E402
 from ray_train_tpu.rl.models import tiny_addition_model  # noqa: E402
+from ray_train_tpu.rl.rollout import SIMULATE_ROLLOUT_DELAY_ENV as ROLLOUT_DELAY_ENV  # noqa: E402
 from ray_train_tpu.rl.rollout import SamplingConfig  # noqa: E402
 from ray_train_tpu.rl.tasks import addition_task  # noqa: E402
 from ray_train_tpu.testing import simulated_tpu_cluster  # noqa: E402
@@ -47,7 +48,10 @@ def loop(tmp_path_factory):
     config = GRPOConfig(model_dir=tiny_addition_model(str(models)), task=addition_task(max_operand=2),
                         num_prompts=32, sampling=SamplingConfig(n=8, max_tokens=3), lr=3e-3, seed=0,
                         checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")), checkpoint_every=CKPT_EVERY)
-    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2):
+    # Every generate call waits 0.2 s first (simulation-only knob), so that the
+    # engine-kill test kills an engine while its call is in flight, not after.
+    delay = {(s, 0): {ROLLOUT_DELAY_ENV: "0.2"} for s in range(2)}
+    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2, host_env=delay):
         with GRPOLoop(config) as grpo:
             yield grpo
 
