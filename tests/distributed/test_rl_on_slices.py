@@ -114,7 +114,7 @@ def test_trainer_failure_resumes_from_checkpoint_and_resyncs_engine(loop):
 
     def remember(m):
         if m["step"] == ckpt_step and "digests" not in at_checkpoint:
-            at_checkpoint["digests"] = loop.pool.digests()[0]["digests"]
+            at_checkpoint["digests"] = loop.pool.digests()[0]
 
     def fail(step):
         if step == fail_at and loop.trainer_restarts == 0:
