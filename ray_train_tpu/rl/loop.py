@@ -140,7 +140,18 @@ class TrainerGroup:
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready[0])  # raises if that rank failed
+            try:
+                ray.get(ready[0])
+            except Exception as first:
+                # A dead rank makes its peers' collectives fail too: report the death, the cause.
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except Exception as e:
+                        if _is_actor_failure(e):
+                            raise e from None
+                raise first
         return ray.get(refs)
 
     def shutdown(self) -> None:
