@@ -258,7 +258,10 @@ class GRPOLoop:
         t0 = time.perf_counter()
         prompts = c.task.prompts(step, c.num_prompts, c.seed)
         ids = [self.tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
-        requests = [(x, c.seed * 1_000_003 + step * 1000 + i) for i, x in enumerate(ids)]
+        # vLLM seeds the n samples of a request with seed, seed + 1, ...: space the prompts
+        # n apart, or neighbouring prompts would share their random draws.
+        base = (c.seed * 1_000_003 + step) * 1_000_003
+        requests = [(x, (base + i * c.sampling.n) % 2**63) for i, x in enumerate(ids)]
         samples, retries = self.pool.generate(requests, c.sampling, lambda: self._hook("rollout_submitted", step))
         t1 = time.perf_counter()
         rewards = [[float(c.task.reward_fn(p, s["text"])) for s in group] for p, group in zip(prompts, samples)]

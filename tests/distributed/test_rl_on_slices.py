@@ -71,6 +71,8 @@ def test_reward_rises_and_engine_equals_trainer_after_every_sync(loop):
     history = loop.run(LEARN_STEPS)
     first = statistics.fmean(m["reward_mean"] for m in history[:WINDOW])
     last = statistics.fmean(m["reward_mean"] for m in history[-WINDOW:])
+    print(f"[SIMULATED] reward per step: {[round(m['reward_mean'], 3) for m in history]}; "
+          f"first {WINDOW}: {first:.3f}, last {WINDOW}: {last:.3f}")
     assert last > first + MIN_GAIN, [round(m["reward_mean"], 3) for m in history]
     assert all(m["parity_checked"] for m in history)
     assert loop.check_parity() > 0
