@@ -37,8 +37,11 @@ from ray_train_tpu.testing import simulated_tpu_cluster  # noqa: E402
 
 LEARN_STEPS = 40
 WINDOW = 5
-# Measured (seed 0, tiny model, 16 prompts x 8 samples): see README "RL post-training".
-MIN_GAIN = 0.15
+# Measured gains of the last 5 steps' mean reward over the first 5 in 40 steps (32 prompts x 8
+# samples, lr 3e-3): 0.685 here (0.054 -> 0.739, the same curve in every run: seeded), and
+# 0.62-0.90 for four other seeds in a one-process replica of the loop (HF sampling). Half the
+# smallest of them:
+MIN_GAIN = 0.3
 CKPT_EVERY = 5
 
 
