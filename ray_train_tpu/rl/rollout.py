@@ -77,6 +77,7 @@ class RolloutEngine:
             raise RuntimeError(
                 f"this rollout engine holds a TPU but vLLM chose its {current_platform.device_type!r} platform: "
                 "install vllm-torchtpu on every TPU host, or set RAY_TRAIN_TPU_SIMULATE=1 to simulate on CPU")
+        self._layout = None  # rows per trainer shard of each tensor last loaded
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=False,
                        worker_extension_cls=EXTENSION)
@@ -116,7 +117,7 @@ class RolloutEngine:
     def weight_digests(self) -> dict:
         """``{"<hf name>#<shard>": digest}`` of the weights the engine computes with,
         cut as the last weights loaded were (see `ray_train_tpu.rl.weights`)."""
-        if getattr(self, "_layout", None) is None:
+        if self._layout is None:
             raise RuntimeError("weight_digests before load_weights: nothing to compare with yet")
         return self.llm.collective_rpc("rl_weight_digests", args=(self._layout,))[0]
 
@@ -138,12 +139,12 @@ class RolloutPool:
         self.num_engines, self.max_retries = num_engines, max_retries
         self.engines: list = []
         self.restarts = 0
-        self._weights: Optional[list] = None  # the last synced [ObjectRef]
+        self._weights: Optional[list] = None  # ObjectRefs of the last weights synced
 
     def start(self) -> None:
-        self.engines = [self._new_engine(i) for i in range(self.num_engines)]
         import ray
 
+        self.engines = [self._new_engine(i) for i in range(self.num_engines)]
         ray.get([e.pid.remote() for e in self.engines])
 
     def _new_engine(self, bundle: int):
