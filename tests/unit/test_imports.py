@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_backend", "config"),
     ("trainer", "actors"),
     ("testing", "doctor"),
-    ("cli", "serve"),
+    ("cli", "serve", "rl"),
     ("__init__", "__main__"),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
