@@ -140,7 +140,7 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         plans = []
         for (place, env), report in zip(computed, reports):
             env_plan = reconcile(env, report.preset, cfg.extra_env, fixed=_RANK_KEYS)
-            check_override(env_plan.env, place, topology, plan.hosts[place.node_rank], num_slices)
+            check_override(env_plan.env, place, topology, placement.hosts[place.node_rank], num_slices)
             plans.append(env_plan)
         _warn_env_changes(plans, cfg.extra_env)
         return plans

@@ -13,8 +13,13 @@ is what ``torch.utils.backend_registration`` itself reads.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from ray_train_tpu import constants as C
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
 
 TESTED_TORCH_VERSION = C.TORCH_VERSION
 
