@@ -44,8 +44,8 @@ TORCH_DEVICE_BACKEND_AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 # Ray: logical TPU resources per physical chip (2 on v7x, one per TensorCore).
 RAY_TPU_RESOURCE_PER_CHIP = "RAY_TPU_RESOURCE_PER_CHIP"
 
-# vLLM: which platform it believes it runs on. Ray Serve LLM imports vLLM's
-# protocol classes; with libtpu installed vLLM would pick "tpu" (README "Serving").
+# vLLM: which platform it believes it runs on. It disables every platform plugin;
+# the RL rollout engines set it to "cpu" in simulation (rl/rollout.py).
 VLLM_TARGET_DEVICE = "VLLM_TARGET_DEVICE"
 # vLLM logs to stdout by default; ours go to stderr so that stdout stays data.
 VLLM_LOGGING_STREAM = "VLLM_LOGGING_STREAM"

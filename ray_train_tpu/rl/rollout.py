@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Optional, Sequence
 
+from ray_train_tpu import constants as C
 from ray_train_tpu import _environ
 from ray_train_tpu.device import is_simulated
 
@@ -34,7 +35,7 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # simulated chips share the machine's cores
     "HF_HUB_OFFLINE": "1",
 }
-SIMULATION_ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+SIMULATION_ENGINE_ENV = {C.VLLM_TARGET_DEVICE: "cpu"}
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on the CPU backend
 # Fault injection on simulated hosts only: seconds every generate call waits first,
 # so that a test can kill an engine while its call is surely in flight.
