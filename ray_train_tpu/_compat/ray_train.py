@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import defaultdict
 from typing import Any, Callable, List, Optional
 
@@ -214,3 +215,41 @@ def route_ray_prepare_model(prepare: Callable[..., Any]) -> None:
 
     prepare_model.__doc__ = _TorchAccelerator.prepare_model.__doc__
     _TorchAccelerator.prepare_model = prepare_model
+
+
+def _train_context():
+    """Ray Train 2.60's context of this worker process, or None outside a Ray Train worker."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context()
+    except (ImportError, AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def preemption_pending() -> bool:
+    """Ray Train's own preemption notice for this worker (a node Ray Core is
+    draining), read locally: the public ``ray.train.get_preemption_info()`` is a
+    barrier through the controller."""
+    ctx = _train_context()
+    try:
+        return ctx is not None and ctx.preemption_context.preemption_info is not None
+    except AttributeError:
+        return False
+
+
+def wait_for_reports_collected(timeout_s: float) -> bool:
+    """Block until the controller has taken every ``ray.train.report`` of this
+    worker from its result queue (it takes one per poll, every 2 s by default),
+    at most `timeout_s`. A worker that ends its attempt right after reporting
+    would otherwise lose the reports still queued: the controller stops polling
+    at the first error. True if the queue drained."""
+    ctx = _train_context()
+    try:
+        results = ctx.execution_context.result_queue
+    except AttributeError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while results.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not results.unfinished_tasks

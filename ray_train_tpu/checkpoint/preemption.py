@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 _GRACE_EXPIRED_EXIT_CODE = 128 + signal.SIGTERM
 
 
+# How long `PreemptionGuard.stop` waits for Ray Train to collect the reports: a few of
+# its polls (one every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default).
+_COLLECT_TIMEOUT_S = 20.0
+
+
 class Preempted(RuntimeError):
     """Raised on every rank by `PreemptionGuard.stop` once the preemption checkpoint is reported."""
 
@@ -237,9 +242,22 @@ class PreemptionGuard:
         return bool(flag.item())
 
     def stop(self) -> None:
-        """End this attempt on every rank after the preemption checkpoint was reported."""
+        """End this attempt on every rank after the preemption checkpoint was reported.
+
+        First waits (within the grace period, at most `_COLLECT_TIMEOUT_S`) until Ray
+        Train's controller has collected this worker's reports: it stops collecting
+        at the first error, and a checkpoint it never collected is not resumed from."""
+        from ray_train_tpu._compat import ray_train as compat_ray
+
         left = None
         if _state.noticed_at is not None:
+            left = self.grace_period_s - (time.monotonic() - _state.noticed_at)
+        collected = compat_ray.wait_for_reports_collected(
+            max(0.0, min(_COLLECT_TIMEOUT_S, left if left is not None else _COLLECT_TIMEOUT_S)))
+        if not collected:
+            logger.warning("ray_train_tpu: Ray Train had not collected the preemption checkpoint's report "
+                           "when this worker stopped; the retry may resume from an earlier checkpoint")
+        if left is not None:
             left = self.grace_period_s - (time.monotonic() - _state.noticed_at)
         raise Preempted(
             "stopped for a termination notice after reporting a checkpoint"
@@ -257,14 +275,9 @@ class PreemptionGuard:
         return self._device
 
 
-
 def _ray_preemption_pending() -> bool:
     """Ray Train's own notice for this worker (a node Ray Core is draining, e.g. by
-    KubeRay), read locally so that `requested` needs no second barrier. The public
-    ``ray.train.get_preemption_info()`` is itself a barrier through Ray's controller."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
+    KubeRay), read locally so that `requested` needs no second barrier."""
+    from ray_train_tpu._compat import ray_train as compat_ray
 
-        return get_train_context().preemption_context.preemption_info is not None
-    except (ImportError, AttributeError, RuntimeError, AssertionError):
-        return False  # not in a Ray Train worker, or another Ray
+    return compat_ray.preemption_pending()

@@ -113,3 +113,51 @@ def _catch(fn):
         fn()
     except RuntimeError as e:
         return e
+
+
+class _FakeContext:
+    def __init__(self, results):
+        self.execution_context = type("E", (), {"result_queue": results})()
+
+
+def test_stop_waits_until_ray_train_collected_the_reports(monkeypatch):
+    """Ray Train's controller stops collecting at the first error: the preemption
+    checkpoint's report must be taken from the queue before the attempt ends."""
+    import queue
+    import threading
+
+    from ray_train_tpu._compat import ray_train as compat_ray
+
+    results = queue.Queue()
+    results.put("step 3 report")
+    results.put("preemption report")
+    monkeypatch.setattr(compat_ray, "_train_context", lambda: _FakeContext(results))
+
+    def controller_polls():  # one report per poll
+        for _ in range(2):
+            time.sleep(0.3)
+            results.get_nowait()
+            results.task_done()
+
+    poller = threading.Thread(target=controller_polls)
+    start = time.monotonic()
+    poller.start()
+    with pytest.raises(preemption.Preempted):
+        preemption.PreemptionGuard(grace_period_s=30).stop()
+    assert time.monotonic() - start >= 0.55 and results.unfinished_tasks == 0
+    poller.join()
+
+
+def test_waiting_for_the_reports_is_bounded(monkeypatch):
+    import queue
+
+    from ray_train_tpu._compat import ray_train as compat_ray
+
+    results = queue.Queue()
+    results.put("never collected")
+    monkeypatch.setattr(compat_ray, "_train_context", lambda: _FakeContext(results))
+    start = time.monotonic()
+    assert compat_ray.wait_for_reports_collected(0.3) is False
+    assert 0.3 <= time.monotonic() - start < 5
+    monkeypatch.setattr(compat_ray, "_train_context", lambda: None)  # not in a Ray Train worker
+    assert compat_ray.wait_for_reports_collected(10) is True
