@@ -117,6 +117,7 @@ class TPUScalingConfig(ScalingConfig):
         have = _environ.get(C.RAY_TPU_RESOURCE_PER_CHIP) or "1"
         if have != str(want):
             raise ValueError(
+                f"TPUScalingConfig(accelerator_type={topo.accelerator_type!r}): "
                 f"{topo.accelerator_type} exposes {want} TorchTPU device(s) per chip and "
                 f"ray_train_tpu runs one worker per device, but "
                 f"{C.RAY_TPU_RESOURCE_PER_CHIP}={have} in the driver; export "

@@ -58,6 +58,7 @@ def test_topology_parse(text, accel):
 @example("4x4", "TPU-V6E", 1, {"TPU": -1})
 @example("4x4", "TPU-V6E", 1, 5)
 @example("4x4", "TPU-V6E", 10**9, None)
+@example("2x2", "TPU-V7X", 1, None)  # refused unless RAY_TPU_RESOURCE_PER_CHIP=2: the message names the field
 @given(topology, accelerator, count, st.one_of(st.none(), st.dictionaries(st.text(max_size=6), number, max_size=3)
                                                | st.integers() | st.text(max_size=4)))
 def test_scaling_config(text, accel, num_slices, resources):
