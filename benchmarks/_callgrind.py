@@ -15,10 +15,14 @@ How one rank is counted, the same way under every launcher:
   its warm-up (`Marker.start`: zero, start) and dumps after the counted steps
   (`Marker.stop`), through callgrind's client requests compiled into a tiny
   shared library (valgrind/callgrind.h; no-ops outside valgrind);
-- `read_counts` reads ``Ir`` (instructions) of that dump, all threads together
-  (the Python loop, gloo's all-reduce threads and the launcher's own threads:
-  Ray's core worker does work per second, not per step, so under valgrind's
-  ~50x slow-down its share is inflated), and `top_functions` says where they went.
+- `read_counts` reads ``Ir`` (instructions) of that dump and `by_library`
+  and `top_functions` say where they went. Two scopes (`THREAD_SCOPES`):
+  ``all`` counts every thread of the rank together (the training thread, gloo's
+  transport thread, and the launcher's own: Ray's core worker and gRPC threads,
+  which do work per second, not per step, so under valgrind's ~50x slow-down
+  their share is ~50x what it is in a real run); ``training`` counts the thread
+  that runs the steps alone (``--separate-threads=yes``: a client-request dump
+  then holds the calling thread only). all - training = every other thread.
 """
 
 from __future__ import annotations
@@ -89,19 +93,26 @@ class Marker:
         self._lib.rtt_stop(f"{DUMP_PREFIX}:{label}".encode())
 
 
-def valgrind_command(out_dir: str) -> list[str]:
-    # Not --separate-threads: a client-request dump would then hold the calling thread only.
+THREAD_SCOPES = ("all", "training")
+
+
+def valgrind_command(out_dir: str, threads: str = "all") -> list[str]:
+    """valgrind's command line; `threads`: ``"all"`` (one profile for every thread)
+    or ``"training"`` (one per thread: the steps' dump holds the calling thread only)."""
+    if threads not in THREAD_SCOPES:
+        raise ValueError(f"threads={threads!r}: choose from {THREAD_SCOPES}")
     return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--separate-threads={'yes' if threads == 'training' else 'no'}",
             f"--callgrind-out-file={out_dir}/callgrind.out.%p", "--error-limit=no", "-q"]
 
 
-def write_wrapper(path: Path, python: str, out_dir: str, *, rank_env: Optional[str]) -> Path:
+def write_wrapper(path: Path, python: str, out_dir: str, *, rank_env: Optional[str], threads: str = "all") -> Path:
     """A ``python`` stand-in that runs one process under callgrind.
 
     `rank_env`: the variable naming the rank (torchrun: ``RANK``), whose value 0 is
     counted; None: the first process to start is counted (Ray workers learn their
     rank only after they start)."""
-    vg = " ".join(valgrind_command(out_dir))
+    vg = " ".join(valgrind_command(out_dir, threads))
     if rank_env:
         claim = f'[ "${{{rank_env}:-}}" = 0 ]'
     else:
@@ -148,30 +159,41 @@ def _header(path: Path) -> str:
 
 
 def find_dump(out_dir: str, label: str) -> Path:
+    """The dump of the counted steps (named `label` by `Marker.stop`)."""
     want = f"{DUMP_PREFIX}:{label}"
     for f in sorted(Path(out_dir).glob("callgrind.out.*")):
-        info = parse_dump(_header(f))
-        if any(want in d for d in info.get("desc", [])):
+        if any(want in d for d in parse_dump(_header(f)).get("desc", [])):
             return f
     raise RuntimeError(f"no callgrind dump named {want!r} under {out_dir}")
 
 
 def read_counts(path: Path) -> dict:
-    """Instructions (``Ir``) in one dump, all threads."""
+    """Instructions (``Ir``) in one dump, and its thread (None: every thread)."""
     info = parse_dump(_header(path) + "\n" + _tail(path))
     events = info.get("events", "Ir").split()
     total = info.get("totals") or info.get("summary")
     if total is None:
         raise RuntimeError(f"{path}: no totals line")
-    return {"pid": info.get("pid"), "instructions": int(total.split()[events.index("Ir")])}
+    thread = info.get("thread")
+    return {"pid": info.get("pid"), "thread": int(thread) if thread else None,
+            "instructions": int(total.split()[events.index("Ir")])}
+
+
+def by_library(path: Path, n: int = 10) -> dict:
+    """Instructions per library (self cost), the `n` largest, in one dump."""
+    out: dict = {}
+    for row in top_functions(path, n=None):
+        out[row["object"]] = out.get(row["object"], 0) + row["instructions"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:n])
 
 
 _ANNOTATED = re.compile(r"^\s*([\d,]+)\s+\(\s*([\d.]+)%\)\s+(\S.*)$")
 
 
-def top_functions(path: Path, n: int = 25, inclusive: bool = False) -> list[dict]:
-    """The `n` functions with the most instructions in a dump (self cost, or
-    `inclusive` of callees), from ``callgrind_annotate``."""
+def top_functions(path: Path, n: Optional[int] = 25, inclusive: bool = False) -> list[dict]:
+    """The `n` functions (None: all) with the most instructions in a dump (self
+    cost, or `inclusive` of callees), from ``callgrind_annotate``, each with the
+    library (``object``) it is in."""
     cmd = ["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}", f"--threshold=100", str(path)]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     merged: dict = {}
@@ -180,14 +202,19 @@ def top_functions(path: Path, n: int = 25, inclusive: bool = False) -> list[dict
         if m and not m.group(3).startswith("PROGRAM TOTALS"):
             name = m.group(3).strip()
             if _JIT.match(name):  # oneDNN/MKL kernels generated at run time: addresses differ per run
-                name = "(run-time generated code, no symbol)"
-            row = merged.setdefault(name[:200], {"instructions": 0, "percent": 0.0, "function": name[:200]})
+                name, obj = "(run-time generated code, no symbol)", "(run-time generated code)"
+            else:
+                found = _OBJECT.search(name)
+                obj = found.group(1).rsplit("/", 1)[-1] if found else "?"
+            row = merged.setdefault(name[:200], {"instructions": 0, "percent": 0.0, "function": name[:200],
+                                                 "object": obj})
             row["instructions"] += int(m.group(1).replace(",", ""))
             row["percent"] = round(row["percent"] + float(m.group(2)), 2)
     return sorted(merged.values(), key=lambda r: -r["instructions"])[:n]
 
 
 _JIT = re.compile(r"^\?\?\?:0x[0-9a-f]+ \[\?\?\?\]$")
+_OBJECT = re.compile(r"\[([^\]]+)\]\s*$")
 
 
 def _tail(path: Path, size: int = 4096) -> str:

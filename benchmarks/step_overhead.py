@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--callgrind", action="store_true",
                    help="count instructions per step on one rank per launcher under valgrind's callgrind "
                         "(load-insensitive; defaults then: --steps 20 --warmup-steps 5 --repeats 1)")
+    p.add_argument("--callgrind-threads", choices=_callgrind.THREAD_SCOPES, default="all",
+                   help="--callgrind: count every thread of the rank ('all') or the thread that runs the "
+                        "steps alone ('training'); all - training = gloo's and the launcher's threads")
     p.add_argument("--name", default=None,
                    help=f"results/<name>.json; default {NAME} ({NAME}_callgrind with --callgrind)")
     p.add_argument("--keep-callgrind", metavar="DIR", help="--callgrind: copy each counted dump here")
@@ -240,6 +243,7 @@ def train_loop(cfg: dict) -> dict:
     meter = ThroughputMeter(flops_per_sample=6 * n_params * cfg["seq_len"], tokens_per_sample=cfg["seq_len"],
                             peak_flops_per_device=peak, world_size=world)
     marker = _callgrind.Marker.from_env()  # only in the one process counted by callgrind
+    proc_start, machine_start = process_counters(), machine_busy_s()
     start, cpu_start = time.perf_counter(), time.process_time()
     meter.reset()
     if marker:
@@ -256,6 +260,8 @@ def train_loop(cfg: dict) -> dict:
     # wall time, this hardly depends on what else the shared machine runs.
     cpu = torch.tensor([time.process_time() - cpu_start], device=device)
     dist.all_reduce(cpu)
+    machine = machine_busy_s() - machine_start if machine_start is not None else None
+    proc = {k: v - proc_start.get(k, 0) for k, v in process_counters().items() if k != "threads"}
     window = meter.step(cfg["batch_size"] * cfg["steps"])  # one "step" = the whole timed window
     return {
         "launcher": cfg["launcher"], "world_size": world, "steps_per_s": cfg["steps"] / elapsed,
@@ -263,7 +269,40 @@ def train_loop(cfg: dict) -> dict:
         "timed_s": elapsed, "tokens_per_s": window.get("tokens_per_s"), "mfu": window.get("mfu"),
         "params": n_params, "wrapper": type(model).__name__, "device": str(device),
         "torch_threads": torch.get_num_threads(), "niceness": os.nice(0), "pid": os.getpid(),
+        # Where a wall-clock gap with equal CPU per step comes from: what else ran
+        # on the machine meanwhile (all cores, minus the ranks), and rank 0's threads,
+        # cores it may use and context switches per step (involuntary: preempted).
+        "other_cpu_ms_per_step": (None if machine is None else
+                                  max(0.0, machine - cpu.item()) / cfg["steps"] * 1e3),
+        "threads": process_counters().get("threads"), "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "voluntary_switches_per_step": proc.get("voluntary_ctxt_switches", 0) / cfg["steps"],
+        "involuntary_switches_per_step": proc.get("nonvoluntary_ctxt_switches", 0) / cfg["steps"],
     }
+
+
+def process_counters() -> dict:
+    """This process's thread count and context switches (``/proc/self/status``)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key in ("Threads", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                    out["threads" if key == "Threads" else key] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def machine_busy_s() -> Optional[float]:
+    """CPU seconds every core of the machine has been busy since boot (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _ray_loop(cfg):
@@ -297,7 +336,8 @@ def _torchrun_child(cfg_json: str) -> None:
 
 # --- launchers ------------------------------------------------------------------
 
-def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600, callgrind_dir: Optional[str] = None) -> dict:
+def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600, callgrind_dir: Optional[str] = None,
+                 callgrind_threads: str = "all") -> dict:
     with tempfile.TemporaryDirectory(prefix="rtt_step_") as tmp:
         out = Path(tmp) / "rank0.json"
         cfg = {**cfg, "launcher": "torchrun", "out": str(out)}
@@ -307,7 +347,8 @@ def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600, callgrind_dir: O
         entry = []
         if callgrind_dir:  # rank 0 runs under callgrind, through a python stand-in
             entry = ["--no-python", str(_callgrind.write_wrapper(Path(tmp) / "python.sh", sys.executable,
-                                                                  callgrind_dir, rank_env="RANK"))]
+                                                                  callgrind_dir, rank_env="RANK",
+                                                                  threads=callgrind_threads))]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                *entry, os.path.abspath(__file__), "--worker-config", json.dumps(cfg)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -326,7 +367,7 @@ def run_ray(launcher: str, cfg: dict, args, storage: str, index: int, callgrind_
     worker_env = None
     if callgrind_dir:  # the first train worker to start runs under callgrind
         wrapper = _callgrind.write_wrapper(Path(callgrind_dir) / "python.sh", sys.executable, callgrind_dir,
-                                           rank_env=None)
+                                           rank_env=None, threads=args.callgrind_threads)
         worker_env = {"py_executable": str(wrapper)}
     run_config = ray.train.RunConfig(name=f"{NAME}_{launcher}_{index}", storage_path=storage,
                                      failure_config=ray.train.FailureConfig(max_failures=0),
@@ -410,7 +451,16 @@ def rotated(launchers: list, repeat: int) -> list:
 
 # --- summary --------------------------------------------------------------------
 
-def summarize_callgrind(runs: list[dict]) -> dict:
+def callgrind_result(dump, steps: int) -> dict:
+    """Instructions per step of the counted rank (all its threads, or its training
+    thread alone) and the libraries and functions they went to."""
+    counts = _callgrind.read_counts(dump)
+    return {**counts, "instructions_per_step": counts["instructions"] / steps,
+            "by_library_per_step": {k: v / steps for k, v in _callgrind.by_library(dump).items()},
+            "top_functions_self": _callgrind.top_functions(dump)}
+
+
+def summarize_callgrind(runs: list[dict], threads: str = "all") -> dict:
     """Median instructions per step per launcher (one counted rank per run) and
     the ratios ours / other (1.0 = no added work; lower is better)."""
     per = {}
@@ -423,11 +473,18 @@ def summarize_callgrind(runs: list[dict]) -> dict:
     for other in ("torchrun", "torch_trainer"):
         if "ours" in per and other in per:
             ratios[f"ours_over_{other}"] = per["ours"]["instructions_per_step"] / per[other]["instructions_per_step"]
-    return {"launchers": per, "ratios": ratios,
-            "note": ("valgrind callgrind on one rank: instructions from the first to the last counted step, "
-                     "all threads (the Python loop, gloo's threads, and the launcher's: Ray's core worker "
-                     "threads do work per second, not per step, and callgrind slows the process ~50x, so "
-                     "their share is inflated here)")}
+    return {"threads": threads, "launchers": per, "ratios": ratios, "note": CALLGRIND_NOTES[threads]}
+
+
+CALLGRIND_NOTES = {
+    "all": ("valgrind callgrind on one rank, every thread of it: instructions from the first to the last counted "
+            "step (the training thread, gloo's transport thread and the launcher's threads: Ray's core worker "
+            "and gRPC threads do work per second, not per step, and callgrind slows the process ~50x, so their "
+            "share is ~50x what it is in a real run)"),
+    "training": ("valgrind callgrind on one rank, the thread that runs the training steps alone "
+                 "(--separate-threads=yes): the per-step work of the loop, DDP and the optimizer, without "
+                 "gloo's transport thread and the launcher's threads"),
+}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -441,6 +498,9 @@ def summarize(runs: list[dict]) -> dict:
         per[name] = {"median_steps_per_s": statistics.median(rates), "min_steps_per_s": min(rates),
                      "max_steps_per_s": max(rates), "steps_per_s": rates,
                      "median_cpu_ms_per_step": _median([r.get("cpu_ms_per_step") for r in mine]),
+                     "median_other_cpu_ms_per_step": _median([r.get("other_cpu_ms_per_step") for r in mine]),
+                     "median_involuntary_switches_per_step": _median(
+                         [r.get("involuntary_switches_per_step") for r in mine]),
                      "median_tokens_per_s": _median([r.get("tokens_per_s") for r in mine]),
                      "median_mfu": _median([r.get("mfu") for r in mine])}
     ratios, targets, cpu = {}, {}, {}
@@ -486,6 +546,10 @@ def paired_ratio_ci(runs: list[dict], a: str, b: str, key: str) -> Optional[dict
             "per_repeat": [math.exp(x) for x in logs]}
 
 
+def _num(value) -> float:
+    return float("nan") if value is None else value
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -509,16 +573,15 @@ def main(argv=None) -> dict:
                     t0 = time.perf_counter()
                     with (tempfile.TemporaryDirectory(prefix="rtt_cg_") if args.callgrind
                           else contextlib.nullcontext()) as cg_dir:
-                        run = (run_torchrun(cfg, n, timeout_s=1800 if cg_dir else 600, callgrind_dir=cg_dir)
+                        run = (run_torchrun(cfg, n, timeout_s=1800 if cg_dir else 600, callgrind_dir=cg_dir,
+                                            callgrind_threads=args.callgrind_threads)
                                if name == "torchrun" else run_ray(name, cfg, args, storage, repeat, cg_dir))
                         if cg_dir:
                             dump = _callgrind.find_dump(cg_dir, name)
-                            counts = _callgrind.read_counts(dump)
-                            run["callgrind"] = {**counts, "instructions_per_step": counts["instructions"] / args.steps,
-                                                "top_functions_self": _callgrind.top_functions(dump)}
+                            run["callgrind"] = callgrind_result(dump, args.steps)
                             if args.keep_callgrind:
                                 Path(args.keep_callgrind).mkdir(parents=True, exist_ok=True)
-                                kept = Path(args.keep_callgrind) / f"callgrind.{name}.{repeat}.out"
+                                kept = Path(args.keep_callgrind) / f"callgrind.{name}.{args.callgrind_threads}.{repeat}.out"
                                 shutil.copy(dump, kept)
                                 run["callgrind"]["dump"] = str(kept)
                     run.update(repeat=repeat, wall_s=time.perf_counter() - t0)
@@ -526,7 +589,8 @@ def main(argv=None) -> dict:
                     cg = run.get("callgrind")
                     print(f"repeat {repeat} {name:14} {run['steps_per_s']:8.2f} steps/s  "
                           f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)"
-                          + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank" if cg else ""),
+                          + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank "
+                             f"({args.callgrind_threads} threads)" if cg else ""),
                           flush=True)
     summary = summarize(runs)
     result = {
@@ -543,10 +607,13 @@ def main(argv=None) -> dict:
         "runs": runs, **summary, "total_wall_s": time.perf_counter() - started,
     }
     if args.callgrind:
-        result["callgrind"] = summarize_callgrind(runs)
+        result["callgrind"] = summarize_callgrind(runs, args.callgrind_threads)
         result["note"] = ("--callgrind: steps/s and CPU times are of a run with one rank under valgrind; "
                           "only the instruction counts mean anything")
-    path = write(args.name or (f"{NAME}_callgrind" if args.callgrind else NAME), result)
+    default_name = NAME
+    if args.callgrind:
+        default_name += "_callgrind" + ("_training_thread" if args.callgrind_threads == "training" else "")
+    path = write(args.name or default_name, result)
     _print_table(result)
     _plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")
@@ -562,7 +629,8 @@ def _print_table(result):
         if s["median_mfu"]:
             extra += f"  MFU {s['median_mfu']:.1%}"
         print(f"  {name:14} median {s['median_steps_per_s']:8.2f}  (min {s['min_steps_per_s']:.2f}, "
-              f"max {s['max_steps_per_s']:.2f})  CPU {s['median_cpu_ms_per_step'] or float('nan'):.1f} ms/step/rank{extra}")
+              f"max {s['max_steps_per_s']:.2f})  CPU {s['median_cpu_ms_per_step'] or float('nan'):.1f} ms/step/rank, "
+              f"others {_num(s.get('median_other_cpu_ms_per_step')):.1f} ms/step{extra}")
     for key, t in result["targets"].items():
         cpu = result["cpu_per_step_ratios"].get(key)
         print(f"  {key:26} {t['measured']:.3f}  target {t['target']}: {'met' if t['met'] else 'NOT met'}"
@@ -570,8 +638,9 @@ def _print_table(result):
         for metric, ci in result.get("paired_ratios", {}).get(key, {}).items():
             print(f"    paired {metric:16} {ci['ratio']:.3f}  95% CI [{ci['ci95'][0]:.3f}, {ci['ci95'][1]:.3f}] "
                   f"over {ci['pairs']} repeats")
-    for key, ratio in result.get("callgrind", {}).get("ratios", {}).items():
-        print(f"  callgrind instructions per step {key}: {ratio:.3f}")
+    cg = result.get("callgrind", {})
+    for key, ratio in cg.get("ratios", {}).items():
+        print(f"  callgrind instructions per step {key} ({cg['threads']} threads): {ratio:.3f}")
 
 
 def _plot(result, path):

@@ -5,6 +5,7 @@ step_overhead's torchrun launcher on a one-process "slice" (TPU-V6E 1x1).
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -225,9 +226,70 @@ def test_callgrind_dump_is_found_by_label_and_read(tmp_path):
     (tmp_path / "callgrind.out.4242.1").write_text(_DUMP.format(label="ours", n=123456, long_args="--arg " * 3000))
     dump = _callgrind.find_dump(str(tmp_path), "ours")
     assert dump.name == "callgrind.out.4242.1"
-    assert _callgrind.read_counts(dump) == {"pid": "4242", "instructions": 123456}
+    assert _callgrind.read_counts(dump) == {"pid": "4242", "thread": None, "instructions": 123456}
+    (tmp_path / "callgrind.out.4243-02").write_text(
+        _DUMP.format(label="one", n=7, long_args="").replace("part: 1", "part: 1\nthread: 2"))
+    assert _callgrind.read_counts(_callgrind.find_dump(str(tmp_path), "one"))["thread"] == 2
     with pytest.raises(RuntimeError, match="no callgrind dump named 'rtt_steps:torchrun'"):
         _callgrind.find_dump(str(tmp_path), "torchrun")
+
+
+_LIBRARY_DUMP = """# callgrind format
+version: 1
+creator: callgrind-3.19.0
+pid: 77
+cmd:  python worker.py
+part: 1
+
+desc: Trigger: Client Request: rtt_steps:ours
+
+positions: line
+events: Ir
+summary: 1500
+
+ob=(1) /venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so
+fl=(1) ???
+fn=(1) sgemm_kernel
+0 900
+ob=(2) /venv/lib/python3.11/site-packages/ray/_raylet.so
+fl=(1)
+fn=(2) grpc_poll
+0 300
+ob=(3) /usr/lib/x86_64-linux-gnu/libc.so.6
+fl=(1)
+fn=(3) malloc
+0 200
+ob=(1)
+fl=(1)
+fn=(4) gloo_sum
+0 100
+
+totals: 1500
+"""
+
+
+@pytest.mark.skipif(shutil.which("callgrind_annotate") is None, reason="callgrind_annotate (valgrind) not installed")
+def test_callgrind_result_says_which_library_the_instructions_went_to(tmp_path):
+    from benchmarks import _callgrind
+
+    (tmp_path / "callgrind.out.77").write_text(_LIBRARY_DUMP)
+    dump = _callgrind.find_dump(str(tmp_path), "ours")
+    assert _callgrind.by_library(dump) == {"libtorch_cpu.so": 1000, "_raylet.so": 300, "libc.so.6": 200}
+    result = step_overhead.callgrind_result(dump, steps=10)
+    assert result["instructions_per_step"] == 150.0
+    assert result["by_library_per_step"]["_raylet.so"] == 30.0
+    assert [r["object"] for r in result["top_functions_self"]][:2] == ["libtorch_cpu.so", "_raylet.so"]
+
+
+def test_callgrind_thread_scope_sets_valgrinds_thread_option(tmp_path):
+    from benchmarks import _callgrind
+
+    assert "--separate-threads=no" in _callgrind.valgrind_command("/o")
+    assert "--separate-threads=yes" in _callgrind.valgrind_command("/o", "training")
+    with pytest.raises(ValueError, match="threads='some'"):
+        _callgrind.valgrind_command("/o", "some")
+    args = step_overhead.parse_args(["--callgrind", "--callgrind-threads", "training"])
+    assert args.callgrind_threads == "training"
 
 
 def _fake_valgrind(tmp_path, monkeypatch):
@@ -276,6 +338,8 @@ def test_callgrind_summary_ratios():
     s = step_overhead.summarize_callgrind(runs)
     assert s["launchers"]["ours"]["instructions_per_step"] == 110.0
     assert s["ratios"] == {"ours_over_torchrun": pytest.approx(1.1), "ours_over_torch_trainer": pytest.approx(110 / 120)}
+    assert s["threads"] == "all" and "every thread" in s["note"]
+    assert "training steps alone" in step_overhead.summarize_callgrind(runs, "training")["note"]
 
 
 def test_ddp_bucket_choices_map_to_ours_strategy():
