@@ -86,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated subset of {LAUNCHERS}; default all (on tpu: ours)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--warmup-s", type=float, default=8.0,
+                   help="keep warming up (in chunks of 10 steps) until this many seconds have passed, so that "
+                        "what the launcher starts beside the workers (Ray Train's PreemptionWatcher actor) "
+                        "is not timed")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=32)
@@ -114,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         return args
     if args.callgrind:
         given = set(argv if argv is not None else sys.argv[1:])
-        for flag, value in (("--steps", 20), ("--warmup-steps", 5), ("--repeats", 1)):
+        for flag, value in (("--steps", 20), ("--warmup-steps", 5), ("--repeats", 1), ("--warmup-s", 0.0)):
             if flag not in given and not any(a.startswith(flag + "=") for a in given):
                 setattr(args, flag[2:].replace("-", "_"), value)
         missing = _callgrind.available()
@@ -140,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if not (0 <= args.warmup_s <= 3600):
+        p.error(f"--warmup-s must be between 0 and 3600, got {args.warmup_s}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     return args
@@ -235,15 +241,16 @@ def train_loop(cfg: dict) -> dict:
         opt.step()
         return loss
 
-    for _ in range(cfg["warmup_steps"]):
-        step()
+    warmup_run = warm_up(step, cfg["warmup_steps"], cfg.get("warmup_s", 0.0), device)
     _sync(device)
     dist.barrier()
     peak = cfg["peak_tflops"] * 1e12 if cfg.get("peak_tflops") else None
     meter = ThroughputMeter(flops_per_sample=6 * n_params * cfg["seq_len"], tokens_per_sample=cfg["seq_len"],
                             peak_flops_per_device=peak, world_size=world)
     marker = _callgrind.Marker.from_env()  # only in the one process counted by callgrind
-    proc_start, machine_start = process_counters(), machine_busy_s()
+    rank0, rank_pids = dist.get_rank() == 0, _rank_pids()  # every rank: a collective
+    others_start = processes_cpu_s() if rank0 else {}
+    proc_start, machine_start, threads_start = process_counters(), machine_busy_s(), threads_cpu_s()
     start, cpu_start = time.perf_counter(), time.process_time()
     meter.reset()
     if marker:
@@ -261,23 +268,103 @@ def train_loop(cfg: dict) -> dict:
     cpu = torch.tensor([time.process_time() - cpu_start], device=device)
     dist.all_reduce(cpu)
     machine = machine_busy_s() - machine_start if machine_start is not None else None
+    busiest_others = busiest_processes(others_start, processes_cpu_s(), cfg["steps"], rank_pids) if rank0 else []
     proc = {k: v - proc_start.get(k, 0) for k, v in process_counters().items() if k != "threads"}
+    threads = per_thread_ms(threads_start, threads_cpu_s(), cfg["steps"])
     window = meter.step(cfg["batch_size"] * cfg["steps"])  # one "step" = the whole timed window
     return {
         "launcher": cfg["launcher"], "world_size": world, "steps_per_s": cfg["steps"] / elapsed,
         "cpu_ms_per_step": cpu.item() / world / cfg["steps"] * 1e3,
         "timed_s": elapsed, "tokens_per_s": window.get("tokens_per_s"), "mfu": window.get("mfu"),
         "params": n_params, "wrapper": type(model).__name__, "device": str(device),
+        "warmup_steps_run": warmup_run,
         "torch_threads": torch.get_num_threads(), "niceness": os.nice(0), "pid": os.getpid(),
         # Where a wall-clock gap with equal CPU per step comes from: what else ran
         # on the machine meanwhile (all cores, minus the ranks), and rank 0's threads,
         # cores it may use and context switches per step (involuntary: preempted).
         "other_cpu_ms_per_step": (None if machine is None else
                                   max(0.0, machine - cpu.item()) / cfg["steps"] * 1e3),
+        "busiest_other_processes": busiest_others,
+        # This rank's CPU per step by OS thread name (user, system): the training
+        # thread, gloo's, and the launcher's own threads (Ray's core worker, gRPC).
+        "thread_cpu_ms_per_step": threads,
         "threads": process_counters().get("threads"), "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "voluntary_switches_per_step": proc.get("voluntary_ctxt_switches", 0) / cfg["steps"],
         "involuntary_switches_per_step": proc.get("nonvoluntary_ctxt_switches", 0) / cfg["steps"],
     }
+
+
+def processes_cpu_s() -> dict:
+    """CPU seconds (user + system) of every process on the machine, by pid, with its command."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue
+        out[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / tick, cmd)  # utime, stime
+    return out
+
+
+def busiest_processes(before: dict, after: dict, steps: int, exclude: set, n: int = 8) -> list[dict]:
+    """The `n` processes not in `exclude` (the job's ranks) that used the most CPU
+    between two `processes_cpu_s` snapshots, in ms per step (Ray names a worker
+    process by what it runs: ``ray::RayTrainWorker`` etc.)."""
+    rows = []
+    for pid, (cpu, cmd) in after.items():
+        if pid in exclude:
+            continue
+        used = cpu - before.get(pid, (0.0, cmd))[0]
+        if used > 0:
+            rows.append({"pid": pid, "command": cmd[:160], "ms_per_step": used / steps * 1e3})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
+
+
+def _rank_pids() -> set:
+    """The pids of every rank (this job's process group): gathered from all ranks."""
+    import torch.distributed as dist
+
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return set(pids)
+
+
+def threads_cpu_s() -> dict:
+    """(name, user s, system s) of every thread of this process, by thread id (``/proc/self/task``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                head, _, tail = fh.read().rpartition(")")
+            fields = tail.split()
+            out[int(tid)] = (head.split("(", 1)[1], int(fields[11]) / tick, int(fields[12]) / tick)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def per_thread_ms(before: dict, after: dict, steps: int) -> dict:
+    """CPU ms per step (user, system) between two `threads_cpu_s` snapshots,
+    summed by thread name, busiest first; threads that used none are left out."""
+    by_name: dict = {}
+    for tid, (name, user, system) in after.items():
+        _, user0, system0 = before.get(tid, (name, 0.0, 0.0))
+        row = by_name.setdefault(name, [0.0, 0.0])
+        row[0] += user - user0
+        row[1] += system - system0
+    rows = {name: {"user": u / steps * 1e3, "system": s / steps * 1e3} for name, (u, s) in by_name.items() if u + s > 0}
+    return dict(sorted(rows.items(), key=lambda kv: -(kv[1]["user"] + kv[1]["system"])))
 
 
 def process_counters() -> dict:
@@ -303,6 +390,29 @@ def machine_busy_s() -> Optional[float]:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def warm_up(step, steps: int, seconds: float, device, chunk: int = 10) -> int:
+    """Run `steps` steps, then more in chunks of `chunk` until `seconds` have
+    passed since the first (rank 0's clock decides, so every rank runs the same
+    number). What a launcher starts beside the workers settles meanwhile: Ray
+    Train starts its PreemptionWatcher actor as the worker group starts, ~1.2 s
+    of CPU that would otherwise land in the timed window. Returns the steps run."""
+    import torch
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    done = steps
+    while True:
+        flag = torch.tensor([1 if time.perf_counter() - start < seconds else 0], device=device)
+        dist.broadcast(flag, src=0)
+        if not flag.item():
+            return done
+        for _ in range(chunk):
+            step()
+        done += chunk
 
 
 def _ray_loop(cfg):
@@ -561,7 +671,7 @@ def main(argv=None) -> dict:
         _torchrun_child(args.worker_config)
         return {}
     ship_to_ray_workers(sys.modules[__name__], _callgrind)
-    cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "steps", "batch_size", "seq_len", "dim",
+    cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "warmup_s", "steps", "batch_size", "seq_len", "dim",
                                          "hidden", "layers", "peak_tflops", "ddp_buckets")}
     n = _num_workers(args)
     runs, started = [], time.perf_counter()

@@ -5,6 +5,7 @@ step_overhead's torchrun launcher on a one-process "slice" (TPU-V6E 1x1).
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -77,8 +78,8 @@ def test_step_overhead_torchrun_writes_its_json(tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     step_overhead.main(["--launchers", "torchrun", "--topology", "1x1", "--accelerator-type", "TPU-V6E",
-                        "--repeats", "1", "--warmup-steps", "1", "--steps", "2", "--dim", "8", "--hidden", "16",
-                        "--layers", "1", "--batch-size", "2", "--seq-len", "4"])
+                        "--repeats", "1", "--warmup-steps", "1", "--warmup-s", "0.3", "--steps", "2", "--dim", "8",
+                        "--hidden", "16", "--layers", "1", "--batch-size", "2", "--seq-len", "4"])
     data = json.loads((tmp_path / "step_overhead.json").read_text())
     (run,) = data["runs"]
     assert run["launcher"] == "torchrun" and run["world_size"] == 1 and run["torch_threads"] == 1
@@ -86,6 +87,8 @@ def test_step_overhead_torchrun_writes_its_json(tmp_path, monkeypatch):
     assert data["environment"]["simulated"] is False  # torchrun alone simulates no slice
     assert {"versions", "commit", "cpu_count"} <= set(data["environment"])
     assert data["settings"]["num_workers"] == 1 and data["ratios"] == {}
+    assert (run["warmup_steps_run"] - 1) % 10 == 0  # 1, then chunks of 10 until 0.3 s have passed
+    assert run["thread_cpu_ms_per_step"] and run["cpu_affinity"]
     assert (tmp_path / "step_overhead.png").exists()
 
 
@@ -184,7 +187,7 @@ def test_strategy_memory_summary_ratio():
 
 def test_callgrind_mode_defaults_to_few_steps_but_keeps_given_values():
     args = step_overhead.parse_args(["--callgrind"])
-    assert (args.steps, args.warmup_steps, args.repeats) == (20, 5, 1)
+    assert (args.steps, args.warmup_steps, args.repeats, args.warmup_s) == (20, 5, 1, 0.0)
     args = step_overhead.parse_args(["--callgrind", "--steps", "7", "--repeats=2"])
     assert (args.steps, args.warmup_steps, args.repeats) == (7, 5, 2)
     assert step_overhead.parse_args([]).steps == 300  # timing mode unchanged
@@ -385,3 +388,23 @@ def test_marker_reads_the_environment_of_the_process_it_runs_in(monkeypatch):
     monkeypatch.setenv(_callgrind.ENV_FLAG, "1")  # set after pickling, as in the worker
     with pytest.raises(RuntimeError, match="not running under valgrind"):
         shipped()
+
+
+def test_busiest_other_processes_leave_out_the_ranks():
+    before = {1: (1.0, "raylet"), 2: (5.0, "ray::RayTrainWorker"), 3: (0.5, "gcs_server")}
+    after = {1: (1.5, "raylet"), 2: (9.0, "ray::RayTrainWorker"), 3: (0.5, "gcs_server"), 4: (0.2, "new")}
+    rows = step_overhead.busiest_processes(before, after, steps=100, exclude={2})
+    assert [(r["command"], round(r["ms_per_step"], 3)) for r in rows] == [("raylet", 5.0), ("new", 2.0)]
+    mine = step_overhead.processes_cpu_s()
+    assert os.getpid() in mine and mine[os.getpid()][0] > 0
+
+
+def test_thread_cpu_is_summed_by_thread_name():
+    before = {1: ("python", 1.0, 0.5), 2: ("grpc_global_tim", 0.1, 0.0), 3: ("gloo", 0.0, 0.0)}
+    after = {1: ("python", 2.0, 0.7), 2: ("grpc_global_tim", 0.1, 0.0), 3: ("gloo", 0.05, 0.15),
+             4: ("python", 0.2, 0.0)}
+    rows = step_overhead.per_thread_ms(before, after, steps=10)
+    assert list(rows) == ["python", "gloo"]
+    assert rows["python"] == {"user": pytest.approx(120.0), "system": pytest.approx(20.0)}
+    assert rows["gloo"] == {"user": pytest.approx(5.0), "system": pytest.approx(15.0)}
+    assert os.getpid() in step_overhead.threads_cpu_s()  # the main thread's id is the pid
