@@ -11,6 +11,7 @@ hardware computes it natively.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from ray_train_tpu import _environ, _host
@@ -27,12 +28,22 @@ def is_simulated() -> bool:
     return _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
 
 
+# The "tpu" device once `check_tpu_runtime` passed in this process: torch_tpu's
+# registrations last as long as the process, so the check runs once, not at every
+# call (a training loop may call get_device() every step, as Ray's examples do).
+_checked_tpu_device = None
+
+
 def get_device():
     """The torch device for this worker.
+
+    Cheap enough to call every step: the TPU runtime is checked at the first call
+    in a process, and the worker's TPU assignment is a dictionary look-up.
 
     Example:
         >>> model = model.to(ray_train_tpu.get_device())  # doctest: +SKIP
     """
+    global _checked_tpu_device
     import torch
 
     if is_simulated():
@@ -40,15 +51,18 @@ def get_device():
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().get_accelerator_ids().get("TPU"):
-        check_tpu_runtime()
-        return torch.device("tpu")
+        if _checked_tpu_device is None:
+            check_tpu_runtime()
+            _checked_tpu_device = torch.device("tpu")
+        return _checked_tpu_device
     import ray.train.torch
 
     return ray.train.torch.get_device()
 
 
 def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
-    """True if this CPU computes bfloat16 in hardware (flags read from /proc/cpuinfo).
+    """True if this CPU computes bfloat16 in hardware (flags read from /proc/cpuinfo,
+    once per process: `compute_dtype` may be called every step).
 
     Example:
         >>> cpu_has_native_bf16("flags\t: fpu sse2 avx2 avx512f avx512_bf16")
@@ -57,11 +71,7 @@ def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
         False
     """
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
+        return _this_cpu_has_native_bf16()
     flags = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
@@ -88,6 +98,16 @@ def compute_dtype():
     if is_simulated() and not cpu_has_native_bf16():
         return torch.float32
     return torch.bfloat16
+
+
+@functools.lru_cache(maxsize=1)
+def _this_cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return cpu_has_native_bf16(f.read())
+    except OSError:
+        return False
+
 
 def check_tpu_runtime() -> None:
     """Load torch_tpu and fail, naming what is missing, unless it gave us a "tpu"

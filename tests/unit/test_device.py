@@ -44,3 +44,67 @@ def test_public():
 
     assert ray_train_tpu.compute_dtype is device.compute_dtype
     assert "compute_dtype" in ray_train_tpu.__all__
+
+
+def test_get_device_checks_the_tpu_runtime_once_per_process(monkeypatch):
+    """A loop may call get_device() every step: the torch_tpu check runs at the
+    first call only, but the worker's TPU assignment is looked up every time."""
+    import ray
+    import ray.train.torch
+
+    monkeypatch.delenv(C.RAY_TRAIN_TPU_SIMULATE, raising=False)
+    monkeypatch.setattr(device, "_checked_tpu_device", None)
+    checks, assigned = [], {"TPU": ["0"]}
+
+    class Context:
+        def get_accelerator_ids(self):
+            return dict(assigned)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    monkeypatch.setattr(device, "check_tpu_runtime", lambda: checks.append(1))
+    monkeypatch.setattr(torch, "device", lambda kind: f"device({kind})")
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: "ray's device")
+    assert [device.get_device() for _ in range(5)] == ["device(tpu)"] * 5
+    assert checks == [1]
+    assigned.pop("TPU")  # a later task of this process holds no TPU: not the cached device
+    assert device.get_device() == "ray's device"
+
+
+def test_get_device_fails_at_every_call_until_the_runtime_is_there(monkeypatch):
+    import ray
+
+    monkeypatch.delenv(C.RAY_TRAIN_TPU_SIMULATE, raising=False)
+    monkeypatch.setattr(device, "_checked_tpu_device", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_accelerator_ids": lambda self: {"TPU": ["0"]}})())
+
+    def missing():
+        raise RuntimeError("torch_tpu registered no tpu device")
+
+    monkeypatch.setattr(device, "check_tpu_runtime", missing)
+    for _ in range(2):  # a failed check is not cached as a pass
+        with pytest.raises(RuntimeError, match="registered no tpu device"):
+            device.get_device()
+    assert device._checked_tpu_device is None
+
+
+def test_cpu_flags_are_read_once_per_process(monkeypatch):
+    import builtins
+
+    device._this_cpu_has_native_bf16.cache_clear()
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            opened.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    try:
+        first = device.cpu_has_native_bf16()
+        assert [device.cpu_has_native_bf16() for _ in range(3)] == [first] * 3
+        assert len(opened) == 1
+    finally:
+        device._this_cpu_has_native_bf16.cache_clear()
