@@ -271,7 +271,8 @@ def train_loop(cfg: dict) -> dict:
     dist.all_reduce(cpu)
     machine = machine_busy_s() - machine_start if machine_start is not None else None
     busiest_others = busiest_processes(others_start, processes_cpu_s(), cfg["steps"], rank_pids) if rank0 else []
-    proc = {k: v - proc_start.get(k, 0) for k, v in process_counters().items() if k != "threads"}
+    end_counters = process_counters()
+    proc = {k: v - proc_start.get(k, 0) for k, v in end_counters.items() if k not in ("threads", "rss_kib")}
     threads = per_thread_ms(threads_start, threads_cpu_s(), cfg["steps"])
     window = meter.step(cfg["batch_size"] * cfg["steps"])  # one "step" = the whole timed window
     return {
@@ -290,7 +291,9 @@ def train_loop(cfg: dict) -> dict:
         # This rank's CPU per step by OS thread name (user, system): the training
         # thread, gloo's, and the launcher's own threads (Ray's core worker, gRPC).
         "thread_cpu_ms_per_step": threads,
-        "threads": process_counters().get("threads"), "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "threads": end_counters.get("threads"), "rss_mib": end_counters.get("rss_kib", 0) / 1024,
+        "minor_faults_per_step": proc.get("minor_faults", 0) / cfg["steps"],
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "voluntary_switches_per_step": proc.get("voluntary_ctxt_switches", 0) / cfg["steps"],
         "involuntary_switches_per_step": proc.get("nonvoluntary_ctxt_switches", 0) / cfg["steps"],
     }
@@ -370,14 +373,21 @@ def per_thread_ms(before: dict, after: dict, steps: int) -> dict:
 
 
 def process_counters() -> dict:
-    """This process's thread count and context switches (``/proc/self/status``)."""
+    """This process's thread count, context switches and resident memory
+    (``/proc/self/status``) and page faults (``/proc/self/stat``)."""
     out = {}
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        out["minor_faults"], out["major_faults"] = int(fields[7]), int(fields[9])
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
-                if key in ("Threads", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
-                    out["threads" if key == "Threads" else key] = int(value.split()[0])
+                if key in ("Threads", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "VmRSS"):
+                    out[{"Threads": "threads", "VmRSS": "rss_kib"}.get(key, key)] = int(value.split()[0])
     except OSError:
         pass
     return out
@@ -713,7 +723,7 @@ def main(argv=None) -> dict:
                     print(f"repeat {repeat} {name:14} {run['steps_per_s']:8.2f} steps/s  "
                           f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)"
                           + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank "
-                             f"({args.callgrind_threads} threads)" if cg else ""),
+                             f"({'every thread' if args.callgrind_threads == 'all' else 'training thread'})" if cg else ""),
                           flush=True)
     summary = summarize(runs)
     result = {
