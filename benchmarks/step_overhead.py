@@ -1,13 +1,23 @@
 """Per-step overhead: the same training loop under TPUTorchTrainer, Ray's TorchTrainer and torchrun.
 
 One loop and one model (a token-wise MLP, AdamW, DDP) run with the same number of
-processes and one torch thread each, launched three ways:
+processes and one torch thread each, launched three ways, plus two experiments
+that take a Ray launcher's circumstances to torchrun one at a time:
 
 - ``ours``: `TPUTorchTrainer(strategy="ddp")` (on ``--device cpu``, a SIMULATED
   v4 slice: a real multi-raylet Ray cluster, CPU tensors, gloo);
 - ``torch_trainer``: Ray's `ray.train.torch.TorchTrainer`, ``ScalingConfig(num_workers=N)``
   CPU workers (GPU workers on cuda), gloo (nccl);
-- ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node N``.
+- ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node N``;
+- ``torchrun_beside_ray`` (cpu, asked for by name): torchrun again, while a Ray
+  TorchTrainer run of N workers that does nothing is up on the same cluster, so
+  Ray Train's controller, PlacementGroupCleaner, PreemptionWatcher and idle
+  workers run as they do during a Ray launcher's steps. Against ``torchrun`` it
+  measures what Ray Train's background costs the ranks; against ``ours`` and
+  ``torch_trainer``, what is left for the launcher's own path;
+- ``torchrun_in_thread`` (asked for by name): torchrun again, each rank running
+  the loop in a second thread while its main thread waits, as Ray Train's
+  workers do (their loop runs in a ``TrainingThread``).
 
 Each run times ``--steps`` steps after ``--warmup-steps`` (rank 0, between two
 barriers) and counts the CPU seconds all ranks spent meanwhile. Runs are
@@ -63,7 +73,9 @@ from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: 
 from benchmarks import _callgrind  # noqa: E402
 
 NAME = "step_overhead"
-LAUNCHERS = ("ours", "torch_trainer", "torchrun")
+LAUNCHERS = ("ours", "torch_trainer", "torchrun", "torchrun_beside_ray", "torchrun_in_thread")
+DEFAULT_LAUNCHERS = LAUNCHERS[:3]  # the other two are experiments, asked for by name
+EXPERIMENTS = LAUNCHERS[3:]
 DDP_BUCKETS = ("default", "fixed", "rebuild", "find_unused")
 CPU_NOTE = ("CPU seconds per step (all threads, mean over ranks), ours / other: lower is better, 1.0 = no "
             "overhead. The targets are on wall-clock steps/s; this says whether a wall-clock gap is work "
@@ -114,9 +126,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default=None,
                    help=f"results/<name>.json; default {NAME} ({NAME}_callgrind with --callgrind)")
     p.add_argument("--keep-callgrind", metavar="DIR", help="--callgrind: copy each counted dump here")
+    p.add_argument("--pool", metavar="JSON[,JSON...]",
+                   help="run nothing: pool the paired repeats of these earlier results (same loop settings, "
+                        "same CPU model) into results/<name>.json (default step_overhead_pooled)")
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # internal: a torchrun child
     args = p.parse_args(argv)
     if args.worker_config:
+        return args
+    if args.pool is not None:
+        args.pool = [s.strip() for s in args.pool.split(",") if s.strip()]
+        if len(args.pool) < 2:
+            p.error(f"--pool {','.join(args.pool)!r}: give two or more result files to pool")
+        missing = [f for f in args.pool if not Path(f).is_file()]
+        if missing:
+            p.error(f"--pool: no such file {missing}")
         return args
     if args.callgrind:
         given = set(argv if argv is not None else sys.argv[1:])
@@ -128,9 +151,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--callgrind: {missing}")
         if args.device != "cpu":
             p.error("--callgrind runs on --device cpu only")
+        asked = [s.strip() for s in (args.launchers or "").split(",")]
+        for name in EXPERIMENTS:
+            if name in asked:
+                p.error(f"--callgrind counts one rank's instructions; {name} is a timing experiment "
+                        "(its ranks are torchrun's), leave it out of --launchers")
     given = args.launchers
     if given is None:
-        given = "ours" if args.device == "tpu" else ",".join(LAUNCHERS)
+        given = "ours" if args.device == "tpu" else ",".join(DEFAULT_LAUNCHERS)
     launchers = [s.strip() for s in given.split(",") if s.strip()]
     bad = [s for s in launchers if s not in LAUNCHERS]
     if bad or not launchers:
@@ -140,6 +168,9 @@ def parse_args(argv=None) -> argparse.Namespace:
               "(Ray's TorchTrainer cannot set up tpu_dist; torch_tpu's launcher is no baseline here)",
               file=sys.stderr)
         launchers = ["ours"]
+    if "torchrun_beside_ray" in launchers and args.device != "cpu":
+        p.error("--launchers torchrun_beside_ray runs on --device cpu only (the idle Ray Train run and "
+                "torchrun share the simulated slice's host)")
     args.launchers = launchers
     for field in ("repeats", "steps", "batch_size", "seq_len", "dim", "hidden", "layers"):
         if getattr(args, field) < 1:
@@ -448,7 +479,7 @@ def report_from_rank0(metrics: dict) -> None:
 
 def _torchrun_child(cfg_json: str) -> None:
     cfg = json.loads(cfg_json)
-    out = train_loop(cfg)
+    out = in_thread(train_loop, cfg) if cfg.get("train_in_thread") else train_loop(cfg)
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
@@ -456,13 +487,35 @@ def _torchrun_child(cfg_json: str) -> None:
     dist.destroy_process_group()
 
 
+def in_thread(fn, *args):
+    """``fn(*args)`` in a new thread while this one waits, as Ray Train's workers run
+    their loop; returns its result or raises its exception."""
+    import threading
+
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="TrainingThread")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 # --- launchers ------------------------------------------------------------------
 
 def run_torchrun(cfg: dict, nproc: int, timeout_s: float = 600, callgrind_dir: Optional[str] = None,
-                 callgrind_threads: str = "all") -> dict:
+                 callgrind_threads: str = "all", train_in_thread: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="rtt_step_") as tmp:
         out = Path(tmp) / "rank0.json"
-        cfg = {**cfg, "launcher": "torchrun", "out": str(out)}
+        cfg = {**cfg, "launcher": "torchrun_in_thread" if train_in_thread else "torchrun", "out": str(out),
+               "train_in_thread": train_in_thread}
         env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
         if cfg["device"] == "cpu":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo stays on loopback
@@ -515,6 +568,74 @@ def run_ray(launcher: str, cfg: dict, args, storage: str, index: int, callgrind_
     if result.error is not None:
         raise result.error
     return dict(result.metrics)
+
+
+def _idle_loop(cfg: dict) -> None:
+    """A Ray Train loop that does nothing: rank 0 says it is up, then every rank
+    waits (a stat per second) for the driver's stop file."""
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() == 0:
+        Path(cfg["ready"]).write_text("up")
+    while not Path(cfg["stop"]).exists():
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def ray_train_running_idle(make_trainer, timeout_s: float = 300):
+    """Run ``make_trainer(loop, cfg).fit()`` in a background thread with `_idle_loop`
+    and yield once its workers are up; on exit, stop it and wait for it to end.
+    Raises if the run fails or is not up within `timeout_s`."""
+    import threading
+
+    tmp = Path(tempfile.mkdtemp(prefix="rtt_idle_"))
+    cfg = {"ready": str(tmp / "ready"), "stop": str(tmp / "stop")}
+    outcome: dict = {}
+
+    def fit():
+        try:
+            result = make_trainer(_idle_loop, cfg).fit()
+            outcome["error"] = getattr(result, "error", None)
+        except BaseException as e:  # noqa: BLE001  (reported in the driver thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=fit, name="idle-ray-train-run", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not Path(cfg["ready"]).exists():
+            if not thread.is_alive():
+                raise RuntimeError(f"the idle Ray Train run ended before its workers were up: "
+                                   f"{outcome.get('error')!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the idle Ray Train run's workers were not up within {timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield
+    finally:
+        Path(cfg["stop"]).write_text("stop")
+        thread.join(timeout_s)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if thread.is_alive():
+        raise TimeoutError(f"the idle Ray Train run did not stop within {timeout_s:.0f} s")
+    if outcome.get("error") is not None:
+        raise RuntimeError(f"the idle Ray Train run failed: {outcome['error']!r}")
+
+
+def run_torchrun_beside_ray(cfg: dict, n: int, storage: str, index: int) -> dict:
+    """torchrun's run while an idle TorchTrainer run of `n` workers is up."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    def make_trainer(loop, loop_cfg):
+        return TorchTrainer(loop, train_loop_config=loop_cfg, torch_config=TorchConfig(backend="gloo"),
+                            scaling_config=ray.train.ScalingConfig(num_workers=n),
+                            run_config=ray.train.RunConfig(name=f"{NAME}_idle_{index}", storage_path=storage,
+                                                           failure_config=ray.train.FailureConfig(max_failures=0)))
+
+    with ray_train_running_idle(make_trainer):
+        run = run_torchrun(cfg, n)
+    run["launcher"] = "torchrun_beside_ray"
+    return run
 
 
 def _num_workers(args) -> int:
@@ -635,7 +756,13 @@ def summarize(runs: list[dict]) -> dict:
                 cpu[key] = per["ours"]["median_cpu_ms_per_step"] / per[other]["median_cpu_ms_per_step"]
     paired = {}
     # torch_trainer / torchrun: the part of a gap that any Ray Train run has (reference, no target)
-    for a, b in (("ours", "torchrun"), ("ours", "torch_trainer"), ("torch_trainer", "torchrun")):
+    # torchrun_beside_ray / torchrun: what Ray Train's background costs ranks that are not Ray's
+    for a, b in (("ours", "torchrun"), ("ours", "torch_trainer"), ("torch_trainer", "torchrun"),
+                 ("torchrun_beside_ray", "torchrun"), ("ours", "torchrun_beside_ray"),
+                 ("torch_trainer", "torchrun_beside_ray"),
+                 # torchrun_in_thread / torchrun: what running the loop outside the main thread costs
+                 ("torchrun_in_thread", "torchrun"), ("ours", "torchrun_in_thread"),
+                 ("torch_trainer", "torchrun_in_thread")):
         for metric in ("steps_per_s", "cpu_ms_per_step", "other_cpu_ms_per_step"):
             ci = paired_ratio_ci(runs, a, b, metric)
             if ci:
@@ -679,6 +806,50 @@ def paired_ratio_ci(runs: list[dict], a: str, b: str, key: str) -> Optional[dict
             "per_repeat": [math.exp(x) for x in logs]}
 
 
+# What must match for repeats of different runs to be pooled: the loop, the
+# processes and the cluster's niceness; the launchers and repeat counts may differ.
+POOL_SETTINGS = ("device", "warmup_steps", "warmup_s", "steps", "batch_size", "seq_len", "dim", "hidden",
+                 "layers", "ddp_buckets", "num_workers", "ray_worker_niceness", "torch_threads_per_process",
+                 "callgrind")
+
+
+def pool_results(results: list[dict], sources: list[str]) -> dict:
+    """One result from the runs of several: each run's repeats stay paired with
+    their own run's (repeat keys become "<source index>:<repeat>"), and
+    `summarize` sees them all. Raises ValueError if the loop settings or the
+    CPU model differ, since those change the ratios."""
+    first = results[0]
+    for src, res in zip(sources[1:], results[1:]):
+        differ = {k: (first["settings"].get(k), res["settings"].get(k)) for k in POOL_SETTINGS
+                  if first["settings"].get(k) != res["settings"].get(k)}
+        if differ:
+            raise ValueError(f"--pool: {src} was run with other settings than {sources[0]} "
+                             f"({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in differ.items())}); "
+                             "pool only runs of the same loop")
+        models = (first["environment"].get("cpu", {}).get("model"), res["environment"].get("cpu", {}).get("model"))
+        if models[0] != models[1]:
+            raise ValueError(f"--pool: {src} ran on {models[1]!r}, {sources[0]} on {models[0]!r}; "
+                             "results differ by CPU, pool only runs of one CPU model")
+    runs = [{**r, "repeat": f"{i}:{r['repeat']}"} for i, res in enumerate(results) for r in res["runs"]]
+    launchers = list(dict.fromkeys(name for res in results for name in res["settings"]["launchers"]))
+    return {
+        "question": first["question"],
+        "pooled_from": [{"file": src, "commit": res["environment"].get("commit"),
+                         "repeats": res["settings"]["repeats"], "launchers": res["settings"]["launchers"]}
+                        for src, res in zip(sources, results)],
+        "environment": first["environment"], "device": first["device"], "tested_here": first["tested_here"],
+        "note": first["note"] + " Pooled: each run's repeats are paired within that run only.",
+        "settings": {**{k: first["settings"].get(k) for k in POOL_SETTINGS},
+                     "repeats": sum(res["settings"]["repeats"] for res in results), "launchers": launchers},
+        "runs": runs, **summarize(runs),
+        # The runs went at different absolute speeds (another day, another load): medians over
+        # all of them mix those levels, so only the paired ratios are kept.
+        "ratios": {}, "targets": {}, "cpu_per_step_ratios": {},
+        "unpaired_note": "pooled runs: the per-launcher medians mix runs of different absolute speed; "
+                         "compare the paired ratios only",
+    }
+
+
 def _num(value) -> float:
     return float("nan") if value is None else value
 
@@ -693,12 +864,18 @@ def main(argv=None) -> dict:
     if args.worker_config:
         _torchrun_child(args.worker_config)
         return {}
+    if args.pool:
+        result = pool_results([json.loads(Path(f).read_text()) for f in args.pool], args.pool)
+        path = write(args.name or f"{NAME}_pooled", result)
+        _print_table(result)
+        print(f"wrote {path}")
+        return result
     ship_to_ray_workers(sys.modules[__name__], _callgrind)
     cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "warmup_s", "steps", "batch_size", "seq_len", "dim",
                                          "hidden", "layers", "peak_tflops", "ddp_buckets")}
     n = _num_workers(args)
     runs, started = [], time.perf_counter()
-    ray_launchers = [name for name in args.launchers if name != "torchrun"]
+    ray_launchers = [name for name in args.launchers if name not in ("torchrun", "torchrun_in_thread")]
     with tempfile.TemporaryDirectory(prefix="rtt_step_storage_") as storage:
         with (_ray_cluster(args) if ray_launchers else contextlib.nullcontext()):
             for repeat in range(args.repeats):
@@ -706,9 +883,15 @@ def main(argv=None) -> dict:
                     t0 = time.perf_counter()
                     with (tempfile.TemporaryDirectory(prefix="rtt_cg_") if args.callgrind
                           else contextlib.nullcontext()) as cg_dir:
-                        run = (run_torchrun(cfg, n, timeout_s=1800 if cg_dir else 600, callgrind_dir=cg_dir,
-                                            callgrind_threads=args.callgrind_threads)
-                               if name == "torchrun" else run_ray(name, cfg, args, storage, repeat, cg_dir))
+                        if name == "torchrun":
+                            run = run_torchrun(cfg, n, timeout_s=1800 if cg_dir else 600, callgrind_dir=cg_dir,
+                                               callgrind_threads=args.callgrind_threads)
+                        elif name == "torchrun_in_thread":
+                            run = run_torchrun(cfg, n, train_in_thread=True)
+                        elif name == "torchrun_beside_ray":
+                            run = run_torchrun_beside_ray(cfg, n, storage, repeat)
+                        else:
+                            run = run_ray(name, cfg, args, storage, repeat, cg_dir)
                         if cg_dir:
                             dump = _callgrind.find_dump(cg_dir, name)
                             run["callgrind"] = callgrind_result(dump, args.steps)
@@ -720,7 +903,7 @@ def main(argv=None) -> dict:
                     run.update(repeat=repeat, wall_s=time.perf_counter() - t0)
                     runs.append(run)
                     cg = run.get("callgrind")
-                    print(f"repeat {repeat} {name:14} {run['steps_per_s']:8.2f} steps/s  "
+                    print(f"repeat {repeat} {name:20} {run['steps_per_s']:8.2f} steps/s  "
                           f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)"
                           + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank "
                              f"({'every thread' if args.callgrind_threads == 'all' else 'training thread'})" if cg else ""),
@@ -761,18 +944,25 @@ def _print_table(result):
         extra = f"  {s['median_tokens_per_s']:.0f} tokens/s" if s["median_tokens_per_s"] else ""
         if s["median_mfu"]:
             extra += f"  MFU {s['median_mfu']:.1%}"
-        print(f"  {name:14} median {s['median_steps_per_s']:8.2f}  (min {s['min_steps_per_s']:.2f}, "
+        print(f"  {name:20} median {s['median_steps_per_s']:8.2f}  (min {s['min_steps_per_s']:.2f}, "
               f"max {s['max_steps_per_s']:.2f})  CPU {s['median_cpu_ms_per_step'] or float('nan'):.1f} ms/step/rank, "
               f"others {_num(s.get('median_other_cpu_ms_per_step')):.1f} ms/step{extra}")
-    for key, t in list(result["targets"].items()) + [("torch_trainer_over_torchrun", None)]:
+    if result.get("unpaired_note"):
+        print(f"  ({result['unpaired_note']})")
+    references = [(k, None) for k in result.get("paired_ratios", {}) if k not in result["targets"]]
+    for key, t in list(result["targets"].items()) + references:
         if t is None:
             if key in result.get("paired_ratios", {}):
-                print(f"  {key:26} (reference: what any Ray Train run costs)")
+                label = "(paired only)" if key in result.get("cpu_targets", {}) else "(reference, no target)"
+                print(f"  {key:38} {label}")
                 for metric, ci in result["paired_ratios"][key].items():
                     print(f"    paired {metric:16} {ci['ratio']:.3f}  95% CI [{ci['ci95'][0]:.3f}, {ci['ci95'][1]:.3f}]")
+                verdict = result.get("cpu_targets", {}).get(key)
+                if verdict:
+                    print(f"    CPU per step target {verdict['target']}: {verdict['verdict']}")
             continue
         cpu = result["cpu_per_step_ratios"].get(key)
-        print(f"  {key:26} {t['measured']:.3f}  target {t['target']}: {'met' if t['met'] else 'NOT met'}"
+        print(f"  {key:38} {t['measured']:.3f}  target {t['target']}: {'met' if t['met'] else 'NOT met'}"
               + (f"   (CPU per step ratio {cpu:.3f})" if cpu else ""))
         for metric, ci in result.get("paired_ratios", {}).get(key, {}).items():
             print(f"    paired {metric:16} {ci['ratio']:.3f}  95% CI [{ci['ci95'][0]:.3f}, {ci['ci95'][1]:.3f}] "

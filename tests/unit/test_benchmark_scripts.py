@@ -7,6 +7,7 @@ step_overhead's torchrun launcher on a one-process "slice" (TPU-V6E 1x1).
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_run_all_runs_the_new_scripts():
 
 def test_step_overhead_defaults_are_the_small_simulated_slice():
     args = step_overhead.parse_args([])
-    assert args.device == "cpu" and args.launchers == list(step_overhead.LAUNCHERS)
+    assert args.device == "cpu" and args.launchers == list(step_overhead.DEFAULT_LAUNCHERS)
     assert step_overhead._num_workers(args) == 4  # v4 2x2x1
     assert args.ray_worker_niceness == 0
 
@@ -419,3 +420,169 @@ def test_cpu_targets_are_judged_on_the_interval():
     s = step_overhead.summarize(runs)
     assert s["cpu_targets"]["ours_over_torchrun"]["verdict"] == "missed"
     assert "ours_over_torch_trainer" not in s["cpu_targets"]
+
+
+# --- step_overhead torchrun_beside_ray ------------------------------------------------
+
+def test_torchrun_beside_ray_is_asked_for_by_name_and_cpu_only(capsys):
+    assert "torchrun_beside_ray" not in step_overhead.parse_args([]).launchers
+    args = step_overhead.parse_args(["--launchers", "torchrun,torchrun_beside_ray"])
+    assert args.launchers == ["torchrun", "torchrun_beside_ray"]
+    for argv in (["--device", "cuda", "--launchers", "torchrun_beside_ray"],
+                 ["--callgrind", "--launchers", "ours,torchrun_beside_ray"]):
+        with pytest.raises(SystemExit):
+            step_overhead.parse_args(argv)
+        assert "torchrun_beside_ray" in capsys.readouterr().err
+
+
+class _FakeTrainer:
+    """Runs the loop on `ranks` threads, as Ray Train runs it on its workers."""
+
+    def __init__(self, loop, cfg, ranks=2, fail=None):
+        self.loop, self.cfg, self.ranks, self.fail = loop, cfg, ranks, fail
+
+    def fit(self):
+        import threading
+        import types
+        from unittest import mock
+
+        if self.fail:
+            raise self.fail
+        errors, local = [], threading.local()
+        ctx = types.SimpleNamespace(get_world_rank=lambda: local.rank)
+
+        def rank(r):
+            local.rank = r
+            try:
+                self.loop(self.cfg)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.ranks)]
+        with mock.patch("ray.train.get_context", return_value=ctx):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        return types.SimpleNamespace(error=errors[0] if errors else None)
+
+
+def test_idle_ray_train_run_is_up_during_the_block_and_stopped_after():
+    import threading
+
+    seen = {}
+    with step_overhead.ray_train_running_idle(lambda loop, cfg: seen.setdefault("t", _FakeTrainer(loop, cfg)),
+                                              timeout_s=30):
+        cfg = seen["t"].cfg
+        assert Path(cfg["ready"]).read_text() == "up" and not Path(cfg["stop"]).exists()
+        assert any(t.name == "idle-ray-train-run" for t in threading.enumerate())
+    assert not any(t.name == "idle-ray-train-run" for t in threading.enumerate())
+    assert not Path(cfg["ready"]).parent.exists()  # its temporary files are gone
+
+
+def test_idle_ray_train_run_that_fails_to_start_raises_in_the_driver():
+    with pytest.raises(RuntimeError, match="ended before its workers were up.*no CPUs left"):
+        with step_overhead.ray_train_running_idle(
+                lambda loop, cfg: _FakeTrainer(loop, cfg, fail=ValueError("no CPUs left")), timeout_s=30):
+            pytest.fail("the block must not run")
+
+
+def test_summary_pairs_torchrun_beside_ray_with_the_others():
+    runs = [_run(name, rate, r) for r in range(3)
+            for name, rate in (("ours", 9.5 + 0.1 * r, ), ("torch_trainer", 9.6, ), ("torchrun", 10.0, ),
+                               ("torchrun_beside_ray", 9.7 - 0.05 * r, ))]
+    s = step_overhead.summarize(runs)
+    for key in ("torchrun_beside_ray_over_torchrun", "ours_over_torchrun_beside_ray",
+                "torch_trainer_over_torchrun_beside_ray"):
+        assert s["paired_ratios"][key]["cpu_ms_per_step"]["pairs"] == 3
+    assert s["paired_ratios"]["torchrun_beside_ray_over_torchrun"]["steps_per_s"]["ratio"] < 1.0
+    assert set(s["cpu_targets"]) == {"ours_over_torchrun", "ours_over_torch_trainer"}
+
+
+# --- step_overhead torchrun_in_thread -------------------------------------------------
+
+def test_torchrun_in_thread_is_asked_for_by_name_and_not_under_callgrind(capsys):
+    assert "torchrun_in_thread" not in step_overhead.parse_args([]).launchers
+    args = step_overhead.parse_args(["--launchers", "torchrun_in_thread,torchrun"])
+    assert args.launchers == ["torchrun_in_thread", "torchrun"]
+    with pytest.raises(SystemExit):
+        step_overhead.parse_args(["--callgrind", "--launchers", "torchrun,torchrun_in_thread"])
+    assert "torchrun_in_thread" in capsys.readouterr().err
+
+
+def test_in_thread_runs_the_loop_off_the_main_thread_and_returns_or_raises():
+    import threading
+
+    def loop(x):
+        return x, threading.current_thread().name, threading.current_thread() is threading.main_thread()
+
+    assert step_overhead.in_thread(loop, 3) == (3, "TrainingThread", False)
+
+    def broken():
+        raise ValueError("step 7 diverged")
+
+    with pytest.raises(ValueError, match="step 7 diverged"):
+        step_overhead.in_thread(broken)
+
+
+def test_summary_pairs_torchrun_in_thread_with_the_others():
+    runs = [_run(name, rate, r) for r in range(3)
+            for name, rate in (("ours", 9.5 + 0.1 * r, ), ("torchrun", 10.0, ),
+                               ("torchrun_in_thread", 9.6 - 0.05 * r, ))]
+    s = step_overhead.summarize(runs)
+    for key in ("torchrun_in_thread_over_torchrun", "ours_over_torchrun_in_thread"):
+        assert s["paired_ratios"][key]["steps_per_s"]["pairs"] == 3
+    assert "torch_trainer_over_torchrun_in_thread" not in s["paired_ratios"]
+    assert s["paired_ratios"]["torchrun_in_thread_over_torchrun"]["steps_per_s"]["ratio"] < 1.0
+
+
+# --- step_overhead --pool --------------------------------------------------------------
+
+def _result(rates: dict, repeats: int, model="Intel(R) Xeon(R) Processor", steps=600):
+    runs = [_run(name, rate(r), r) for r in range(repeats) for name, rate in rates.items()]
+    return {"question": "q", "environment": {"cpu": {"model": model}, "commit": "abc", "simulated": True},
+            "device": "cpu", "tested_here": True, "note": "n.", "runs": runs,
+            "settings": {"device": "cpu", "steps": steps, "num_workers": 4, "repeats": repeats,
+                         "launchers": list(rates)}}
+
+
+def test_pool_pairs_repeats_within_their_own_run_only():
+    # Run 1 is fast for every launcher, run 2 slow: pairing across runs would be
+    # dominated by that; within a run, ours/torchrun is 0.9 every time.
+    a = _result({"ours": lambda r: 18.0, "torchrun": lambda r: 20.0}, 3)
+    b = _result({"ours": lambda r: 9.0, "torchrun": lambda r: 10.0, "torch_trainer": lambda r: 9.5}, 2)
+    pooled = step_overhead.pool_results([a, b], ["a.json", "b.json"])
+    ci = pooled["paired_ratios"]["ours_over_torchrun"]["steps_per_s"]
+    assert ci["pairs"] == 5 and ci["ratio"] == pytest.approx(0.9)
+    assert pooled["paired_ratios"]["ours_over_torch_trainer"]["steps_per_s"]["pairs"] == 2
+    assert pooled["settings"]["repeats"] == 5
+    assert pooled["settings"]["launchers"] == ["ours", "torchrun", "torch_trainer"]
+    assert [p["file"] for p in pooled["pooled_from"]] == ["a.json", "b.json"]
+
+
+def test_pool_refuses_other_settings_or_another_cpu():
+    a = _result({"ours": lambda r: 9.0, "torchrun": lambda r: 10.0}, 2)
+    with pytest.raises(ValueError, match=r"b.json was run with other settings.*steps: 600 vs 300"):
+        step_overhead.pool_results([a, _result({"ours": lambda r: 9.0, "torchrun": lambda r: 10.0}, 2, steps=300)],
+                                   ["a.json", "b.json"])
+    with pytest.raises(ValueError, match="one CPU model"):
+        step_overhead.pool_results([a, _result({"ours": lambda r: 9.0, "torchrun": lambda r: 10.0}, 2,
+                                               model="AMD EPYC")], ["a.json", "b.json"])
+
+
+def test_pool_needs_two_existing_files(tmp_path, capsys):
+    one = tmp_path / "one.json"
+    one.write_text("{}")
+    for argv, says in ((["--pool", str(one)], "two or more"),
+                       (["--pool", f"{one},{tmp_path / 'gone.json'}"], "no such file")):
+        with pytest.raises(SystemExit):
+            step_overhead.parse_args(argv)
+        assert says in capsys.readouterr().err
+
+
+def test_pool_keeps_only_paired_ratios_and_still_judges_the_cpu_targets():
+    a = _result({"ours": lambda r: 18.0 + 0.1 * r, "torchrun": lambda r: 20.0}, 3)
+    b = _result({"ours": lambda r: 9.0 + 0.1 * r, "torchrun": lambda r: 10.0}, 3)
+    pooled = step_overhead.pool_results([a, b], ["a.json", "b.json"])
+    assert pooled["targets"] == {} and pooled["ratios"] == {}
+    assert pooled["cpu_targets"]["ours_over_torchrun"]["verdict"] == "missed"  # CPU per step ~1.1 x
