@@ -575,8 +575,9 @@ def _idle_loop(cfg: dict) -> None:
     waits (a stat per second) for the driver's stop file."""
     import ray.train
 
-    if ray.train.get_context().get_world_rank() == 0:
-        Path(cfg["ready"]).write_text("up")
+    if ray.train.get_context().get_world_rank() == 0:  # written whole, then renamed: seen complete or not at all
+        Path(cfg["ready"] + ".part").write_text("up")
+        os.replace(cfg["ready"] + ".part", cfg["ready"])
     while not Path(cfg["stop"]).exists():
         time.sleep(1.0)
 
