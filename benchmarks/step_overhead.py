@@ -223,13 +223,19 @@ def _setup(cfg):
 
     wrap = fixed_order_ddp if buckets == "fixed" else DistributedDataParallel
     kwargs = {} if buckets == "fixed" else {"find_unused_parameters": find_unused}
+    # One process: no DDP, as Ray's prepare_model and our DDPStrategy do (else torchrun
+    # alone would pay DDP's hooks and a one-rank all-reduce every step).
     if cfg["device"] == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl")
         device = torch.device("cuda", local_rank)
+        if dist.get_world_size() == 1:
+            return device, lambda m: m.to(device)
         return device, lambda m: wrap(m.to(device), device_ids=[device], **kwargs)
     dist.init_process_group("gloo")
+    if dist.get_world_size() == 1:
+        return torch.device("cpu"), lambda m: m
     return torch.device("cpu"), lambda m: wrap(m, **kwargs)
 
 

@@ -586,3 +586,23 @@ def test_pool_keeps_only_paired_ratios_and_still_judges_the_cpu_targets():
     pooled = step_overhead.pool_results([a, b], ["a.json", "b.json"])
     assert pooled["targets"] == {} and pooled["ratios"] == {}
     assert pooled["cpu_targets"]["ours_over_torchrun"]["verdict"] == "missed"  # CPU per step ~1.1 x
+
+
+def test_torchrun_with_one_process_trains_the_bare_model_as_the_ray_launchers_do(monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        device, wrap = step_overhead._setup({"launcher": "torchrun", "device": "cpu"})
+        model = torch.nn.Linear(2, 2)
+        assert device.type == "cpu" and wrap(model) is model  # Ray's prepare_model skips DDP at world size 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
