@@ -34,7 +34,8 @@ records the niceness its rank 0 actually had.
 ``--device cuda`` (one process per GPU, nccl) also reports tokens/s and MFU
 (``--peak-tflops`` per GPU); ``--device tpu`` runs ``ours`` alone on a real slice
 (Ray's TorchTrainer cannot set up ``tpu_dist``; torch_tpu's launcher is not a
-baseline here). Neither was run on this machine: only cpu was.
+baseline here). cuda ran on one H200 through the device tool (one process per
+launcher: results/step_overhead_cuda*.json); tpu has not run anywhere.
 
 The steps/s and CPU ratios also come paired by repeat (the launchers of one
 repeat run back to back), as a geometric mean with a 95% t-interval.
