@@ -77,6 +77,7 @@ NAME = "step_overhead"
 LAUNCHERS = ("ours", "torch_trainer", "torchrun", "torchrun_beside_ray", "torchrun_in_thread")
 DEFAULT_LAUNCHERS = LAUNCHERS[:3]  # the other two are experiments, asked for by name
 EXPERIMENTS = LAUNCHERS[3:]
+WITHOUT_RAY = ("torchrun", "torchrun_in_thread")  # launchers that need no Ray cluster
 DDP_BUCKETS = ("default", "fixed", "rebuild", "find_unused")
 CPU_NOTE = ("CPU seconds per step (all threads, mean over ranks), ours / other: lower is better, 1.0 = no "
             "overhead. The targets are on wall-clock steps/s; this says whether a wall-clock gap is work "
@@ -152,11 +153,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--callgrind: {missing}")
         if args.device != "cpu":
             p.error("--callgrind runs on --device cpu only")
-        asked = [s.strip() for s in (args.launchers or "").split(",")]
-        for name in EXPERIMENTS:
-            if name in asked:
-                p.error(f"--callgrind counts one rank's instructions; {name} is a timing experiment "
-                        "(its ranks are torchrun's), leave it out of --launchers")
     given = args.launchers
     if given is None:
         given = "ours" if args.device == "tpu" else ",".join(DEFAULT_LAUNCHERS)
@@ -169,6 +165,10 @@ def parse_args(argv=None) -> argparse.Namespace:
               "(Ray's TorchTrainer cannot set up tpu_dist; torch_tpu's launcher is no baseline here)",
               file=sys.stderr)
         launchers = ["ours"]
+    for name in EXPERIMENTS:
+        if args.callgrind and name in launchers:
+            p.error(f"--callgrind counts one rank's instructions; {name} is a timing experiment "
+                    "(its ranks are torchrun's), leave it out of --launchers")
     if "torchrun_beside_ray" in launchers and args.device != "cpu":
         p.error("--launchers torchrun_beside_ray runs on --device cpu only (the idle Ray Train run and "
                 "torchrun share the simulated slice's host)")
@@ -231,13 +231,13 @@ def _setup(cfg):
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl")
         device = torch.device("cuda", local_rank)
-        if dist.get_world_size() == 1:
-            return device, lambda m: m.to(device)
-        return device, lambda m: wrap(m.to(device), device_ids=[device], **kwargs)
-    dist.init_process_group("gloo")
+        kwargs["device_ids"] = [device]
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
     if dist.get_world_size() == 1:
-        return torch.device("cpu"), lambda m: m
-    return torch.device("cpu"), lambda m: wrap(m, **kwargs)
+        return device, lambda m: m.to(device)
+    return device, lambda m: wrap(m.to(device), **kwargs)
 
 
 def ours_strategy(buckets: str):
@@ -763,14 +763,12 @@ def summarize(runs: list[dict]) -> dict:
             if per["ours"]["median_cpu_ms_per_step"] and per[other]["median_cpu_ms_per_step"]:
                 cpu[key] = per["ours"]["median_cpu_ms_per_step"] / per[other]["median_cpu_ms_per_step"]
     paired = {}
-    # torch_trainer / torchrun: the part of a gap that any Ray Train run has (reference, no target)
-    # torchrun_beside_ray / torchrun: what Ray Train's background costs ranks that are not Ray's
-    for a, b in (("ours", "torchrun"), ("ours", "torch_trainer"), ("torch_trainer", "torchrun"),
-                 ("torchrun_beside_ray", "torchrun"), ("ours", "torchrun_beside_ray"),
-                 ("torch_trainer", "torchrun_beside_ray"),
-                 # torchrun_in_thread / torchrun: what running the loop outside the main thread costs
-                 ("torchrun_in_thread", "torchrun"), ("ours", "torchrun_in_thread"),
-                 ("torch_trainer", "torchrun_in_thread")):
+    # torch_trainer / torchrun: the part of a gap that any Ray Train run has (reference, no target);
+    # experiment / torchrun: what one circumstance of a Ray worker costs torchrun's ranks, and
+    # ours (torch_trainer) / experiment: what is left once torchrun has it too
+    pairs = [("ours", "torchrun"), ("ours", "torch_trainer"), ("torch_trainer", "torchrun")]
+    pairs += [pair for e in EXPERIMENTS for pair in ((e, "torchrun"), ("ours", e), ("torch_trainer", e))]
+    for a, b in pairs:
         for metric in ("steps_per_s", "cpu_ms_per_step", "other_cpu_ms_per_step"):
             ci = paired_ratio_ci(runs, a, b, metric)
             if ci:
@@ -883,7 +881,7 @@ def main(argv=None) -> dict:
                                          "hidden", "layers", "peak_tflops", "ddp_buckets")}
     n = _num_workers(args)
     runs, started = [], time.perf_counter()
-    ray_launchers = [name for name in args.launchers if name not in ("torchrun", "torchrun_in_thread")]
+    ray_launchers = [name for name in args.launchers if name not in WITHOUT_RAY]
     with tempfile.TemporaryDirectory(prefix="rtt_step_storage_") as storage:
         with (_ray_cluster(args) if ray_launchers else contextlib.nullcontext()):
             for repeat in range(args.repeats):
