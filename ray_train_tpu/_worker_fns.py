@@ -108,7 +108,7 @@ def apply_env(env: dict, mode: Union[Mode, str], unset: tuple = ()) -> None:
     if Mode(mode) is Mode.SIMULATE:
         from ray_train_tpu._compat import ray_train as compat_ray
 
-        compat_ray.use_cpu_device_manager()
+        compat_ray.use_simulated_tpu_device_manager()
     else:
         from ray_train_tpu.device import check_tpu_runtime
 

@@ -1,9 +1,14 @@
 """`get_device()`: the torch device of this worker, the same way in every mode.
 
-- explicit simulation (``RAY_TRAIN_TPU_SIMULATE=1``): ``cpu``;
 - a worker holding a TPU: ``tpu``, after checking that torch_tpu registered it
   (an error naming what is missing otherwise, never a CPU fallback);
-- anything else: what ``ray.train.torch.get_device()`` says (``cuda:N`` or ``cpu``).
+- the same worker on an explicitly simulated slice (``RAY_TRAIN_TPU_SIMULATE=1``):
+  the simulated ``tpu`` device (`ray_train_tpu._compat.simulated_tpu`), which is
+  not the host: a host tensor meeting a device tensor fails as on a TPU, so
+  a batch that was never moved to the device fails here too. A process of a
+  simulated host outside Ray (e.g. `ray_train_tpu.testing.gloo` ranks) gets it too;
+- anything else: what ``ray.train.torch.get_device()`` says (``cuda:N`` or
+  ``cpu``), also on the driver of a simulated cluster, which holds no TPU.
 
 `compute_dtype()`: the low-precision dtype to train in, bfloat16 wherever the
 hardware computes it natively.
@@ -44,14 +49,18 @@ def get_device():
         >>> model = model.to(ray_train_tpu.get_device())  # doctest: +SKIP
     """
     global _checked_tpu_device
-    import torch
-
-    if is_simulated():
-        return torch.device("cpu")
     import ray
 
-    if ray.is_initialized() and ray.get_runtime_context().get_accelerator_ids().get("TPU"):
+    in_ray = ray.is_initialized()
+    holds_tpu = in_ray and bool(ray.get_runtime_context().get_accelerator_ids().get("TPU"))
+    if is_simulated() and (holds_tpu or not in_ray):
+        from ray_train_tpu._compat import simulated_tpu
+
+        return simulated_tpu.install()  # idempotent: a lookup after the first call
+    if holds_tpu:
         if _checked_tpu_device is None:
+            import torch
+
             check_tpu_runtime()
             _checked_tpu_device = torch.device("tpu")
         return _checked_tpu_device

@@ -133,13 +133,23 @@ def installed_tpu_worker_sort() -> Any:
     return getattr(installed, "func", installed)
 
 
-def use_cpu_device_manager() -> None:
-    """In an explicitly simulated worker: ``ray.train.torch.get_device()`` -> CPU."""
+def use_simulated_tpu_device_manager() -> None:
+    """In an explicitly simulated worker: Ray's own TPU device manager, so that
+    ``ray.train.torch.get_device()`` is the simulated ``tpu`` device, without
+    the ``import torch_tpu`` by which it tells that torch_tpu is there."""
     import ray.air._internal.device_manager as dm
-    from ray.air._internal.device_manager.cpu import CPUTorchDeviceManager
+    from ray.air._internal.device_manager.tpu import TPUTorchDeviceManager
+
+    from ray_train_tpu._compat import simulated_tpu
+
+    simulated_tpu.install()
+
+    class SimulatedTPUTorchDeviceManager(TPUTorchDeviceManager):
+        def is_available(self) -> bool:
+            return simulated_tpu.installed()
 
     with dm._torch_device_manager_lock:
-        dm._torch_device_manager = CPUTorchDeviceManager()
+        dm._torch_device_manager = SimulatedTPUTorchDeviceManager()
 
 
 def forbid_metadata_server() -> Callable[[], None]:

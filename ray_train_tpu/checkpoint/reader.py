@@ -17,7 +17,7 @@ from ray_train_tpu.checkpoint.manifest import (
     logger,
     verify,
 )
-from ray_train_tpu.checkpoint.writer import _dcp_state, _optimizer_summary
+from ray_train_tpu.checkpoint.writer import _accelerator_rng_module, _dcp_state, _optimizer_summary
 
 def _set_rng_state(state: dict) -> None:
     import torch
@@ -27,6 +27,14 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "accelerator" in state:
+        device_type, device_state = state["accelerator"]
+        here = _accelerator_rng_module()
+        if here is not None and here[0] == device_type:
+            here[1].set_rng_state(device_state)
+        else:
+            logger.warning("ray_train_tpu: the checkpoint's %s random-number state is not restored: this "
+                           "process has no %s device", device_type, device_type)
     if "numpy" in state:
         import numpy as np
         name, keys, pos, has_gauss, gauss = state["numpy"]

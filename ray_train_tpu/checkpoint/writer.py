@@ -29,10 +29,25 @@ def _rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    accelerator = _accelerator_rng_module()
+    if accelerator is not None:  # a TPU's generator is its own: dropout on the device draws from it
+        state["accelerator"] = (accelerator[0], accelerator[1].get_rng_state())
     if "numpy" in sys.modules:  # as plain lists: loadable with weights_only=True
         name, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
         state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(gauss))
     return state
+
+
+def _accelerator_rng_module():
+    """``(device type, torch.<device> module)`` of this process's accelerator other
+    than CUDA (kept under "cuda" as before) when it has its own generator, else None."""
+    import torch
+
+    current = torch.accelerator.current_accelerator()
+    if current is None or current.type in ("cpu", "cuda"):
+        return None
+    module = torch.get_device_module(current.type)
+    return (current.type, module) if hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state") else None
 
 
 def _write_rank_file(directory: Path, rank: int, world_size: int, dataloader) -> tuple[str, dict]:

@@ -9,6 +9,12 @@ returns every rank's result, in rank order. A failing rank's traceback is
 raised in the test; the other ranks are stopped at once instead of waiting in
 a collective.
 
+With ``simulate_tpu=True`` each rank is a process of a simulated TPU host
+(``RAY_TRAIN_TPU_SIMULATE=1``): ``ray_train_tpu.get_device()`` is the simulated
+``tpu`` device, which refuses to mix with host tensors, and gloo carries the
+collectives. Results come back through ``torch.save``: return host tensors
+(``.cpu()``), as a real TPU process must before its results leave it.
+
 Example:
     >>> from ray_train_tpu.testing import gloo
     >>> results = gloo.run(my_module.train, 4, "sgd")  # doctest: +SKIP
@@ -29,11 +35,12 @@ from ray_train_tpu._host import free_port
 _LOOPBACK = "127.0.0.1"
 
 
-def _child(module: str, qualname: str, rank: int, world_size: int, port: int, args: tuple, out_dir: str) -> None:
+def _child(module: str, qualname: str, rank: int, world_size: int, port: int, args: tuple, out_dir: str,
+           simulate_tpu: bool = False) -> None:
     # Before torch is imported here: no cloud metadata server queries from
     # libtpu, no torch_tpu autoload (CPU and gloo only).
     _environ.update({
-        **C.CPU_ONLY_ENV,
+        **(C.SIMULATION_ENV if simulate_tpu else C.CPU_ONLY_ENV),
         C.MASTER_ADDR: _LOOPBACK,
         C.MASTER_PORT: str(port),
         C.RANK: str(rank),
@@ -74,7 +81,7 @@ class _PortTaken(RuntimeError):
     pass
 
 
-def run(fn, world_size: int, *args, timeout_s: float = 90.0, attempts: int = 3) -> list:
+def run(fn, world_size: int, *args, timeout_s: float = 90.0, attempts: int = 3, simulate_tpu: bool = False) -> list:
     """``fn(rank, world_size, *args)`` on `world_size` gloo ranks; the results in rank order.
 
     `fn` must be a module-level function; `args` and results must pickle
@@ -84,13 +91,13 @@ def run(fn, world_size: int, *args, timeout_s: float = 90.0, attempts: int = 3) 
     """
     for attempt in range(attempts):
         try:
-            return _run_once(fn, world_size, args, timeout_s)
+            return _run_once(fn, world_size, args, timeout_s, simulate_tpu)
         except _PortTaken:
             if attempt == attempts - 1:
                 raise
 
 
-def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float, simulate_tpu: bool) -> list:
     import torch
 
     ctx = multiprocessing.get_context("spawn")
@@ -99,7 +106,7 @@ def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn.__module__, fn.__qualname__, r, world_size, port, args, out_dir),
+                args=(fn.__module__, fn.__qualname__, r, world_size, port, args, out_dir, simulate_tpu),
                 daemon=True,
             )
             for r in range(world_size)

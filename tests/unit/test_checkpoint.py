@@ -1,7 +1,9 @@
 """ray_train_tpu.checkpoint: exact round trips, resharding, and refusing bad checkpoints.
 
-Multi-rank cases run as 2 gloo processes (ray_train_tpu.testing.gloo); a failed
-assertion in either fails the test with that process's traceback.
+Multi-rank cases run as 2 gloo processes (ray_train_tpu.testing.gloo) of a
+simulated TPU host: models and batches on the simulated "tpu" device, whose
+random-number generator (dropout) is its own, as on a TPU. A failed assertion
+in either fails the test with that process's traceback.
 """
 
 import json
@@ -19,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ray_train_tpu import checkpoint
 from ray_train_tpu.checkpoint import CheckpointError, CheckpointNotFoundError
 from ray_train_tpu.data import stateful_dataloader
+from ray_train_tpu.device import get_device
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -51,8 +54,9 @@ def _batches(loader):
 
 def _train(model, opt, sched, batches, steps):
     losses = []
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x, y = next(batches)
+        x, y = (t.to(device) for t in next(batches))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -82,12 +86,12 @@ def _assert_equal(a, b, where="state"):
 
 
 def _on_two_ranks(fn, tmp_path):
-    _spawn.run(fn, 2, str(tmp_path), timeout_s=180)
+    _spawn.run(fn, 2, str(tmp_path), timeout_s=180, simulate_tpu=True)
 
 
-def _ddp(seed=0):
+def _ddp(seed=0, hidden=8):
     torch.manual_seed(seed)
-    return nn.parallel.DistributedDataParallel(_net())
+    return nn.parallel.DistributedDataParallel(_net(hidden).to(get_device()))
 
 
 # ---------------------------------------------------------------- 2 ranks, DDP
@@ -121,7 +125,7 @@ def _roundtrip_worker(rank, world, tmp):
         assert manifest["extra"] == {"epoch": 1} and manifest["step"] == 8
         assert {"rank00000.pt", "rank00001.pt", ".metadata"} <= set(manifest["files"])
         assert manifest["components"] == ["dataloader", "lr_scheduler", "model", "optimizer", "rng"]
-    with_other_model = nn.parallel.DistributedDataParallel(_net(hidden=9))
+    with_other_model = _ddp(hidden=9)
     try:
         checkpoint.load(tmp / "a", model=with_other_model)
         raise AssertionError("loaded into another model")
@@ -178,7 +182,7 @@ def _reshard_worker(rank, world, tmp):
     if rank == 0:
         torch.save(expected, tmp / "ddp_full.pt")
     torch.manual_seed(42)
-    sharded = _net()
+    sharded = _net().to(get_device())
     for layer in (sharded[0], sharded[3]):
         fully_shard(layer)
     fully_shard(sharded)

@@ -1,4 +1,4 @@
-"""Strategies: the registry, their errors, and numerical equivalence on CPU/gloo.
+"""Strategies: the registry, their errors, and numerical equivalence on the simulated TPU device/gloo.
 
 Every distributed strategy trains the same MLP (fixed seed) for `STEPS` steps,
 each rank on its data-parallel shard of one global batch, and must end with the
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ray_train_tpu.device import get_device
 from ray_train_tpu.testing import gloo as _spawn
 from ray_train_tpu.mesh import MeshLayout
 from ray_train_tpu.strategies import (
@@ -79,11 +80,12 @@ def optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def train(model: nn.Module, opt_name: str, num_replicas: int = 1, rank: int = 0) -> torch.optim.Optimizer:
+def train(model: nn.Module, opt_name: str, num_replicas: int = 1, rank: int = 0,
+          device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     """`STEPS` steps, each on shard `rank` of `num_replicas` of the global batch."""
     opt = optimizer(opt_name, model.parameters())
     for step in range(STEPS):
-        x, y = (t.chunk(num_replicas)[rank] for t in batch(step))
+        x, y = (t.chunk(num_replicas)[rank].to(device) for t in batch(step))
         loss = F.mse_loss(model(x).float(), y)
         opt.zero_grad()
         loss.backward()
@@ -140,16 +142,17 @@ def _resume_model() -> nn.Module:
 
 
 def _resume_run(rank: int, strategy: DDPStrategy, state=None, steps=range(STEPS)):
+    device = get_device()
     model = _resume_model()
     if state:
         model.load_state_dict(state[0])
-    model = strategy.parallelize(model, torch.device("cpu"))
+    model = strategy.parallelize(model, device)
     opt = optimizer("adamw", model.parameters())
     if state:
         opt.load_state_dict(state[1])
     for step in steps:
         g = torch.Generator().manual_seed(100 * step + rank)
-        loss = model(torch.randn(16, 64, generator=g)).square().mean()
+        loss = model(torch.randn(16, 64, generator=g).to(device)).square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -173,7 +176,6 @@ def _resume_diffs(rank: int) -> dict:
 
 def _train_case(rank: int, world_size: int, case: str) -> dict:
     """Train `case` with every optimizer; one mesh per case (meshes cost group set-ups)."""
-    cpu = torch.device("cpu")
     if case == "ddp_resume":
         return {"adamw": _resume_diffs(rank)}
     if case == "no_grad_avg":  # negative control: each rank trains alone on its shard
@@ -184,14 +186,16 @@ def _train_case(rank: int, world_size: int, case: str) -> dict:
             out[opt_name] = {"state": model.state_dict() if rank == 0 else None, "meta": {}}
         return out
     strategy, num_slices = _strategy(case, world_size)
-    strategy.setup(cpu, world_size, None, num_slices)
-    return {opt_name: _train_one(rank, strategy, opt_name) for opt_name in OPTIMIZERS}
+    device = get_device()
+    assert device.type == "tpu"  # the simulated TPU device: host tensors must be moved to it
+    strategy.setup(device, world_size, None, num_slices)
+    return {opt_name: _train_one(rank, strategy, opt_name, device) for opt_name in OPTIMIZERS}
 
 
-def _train_one(rank: int, strategy: Strategy, opt_name: str) -> dict:
-    model = strategy.parallelize(mlp(), torch.device("cpu"))
+def _train_one(rank: int, strategy: Strategy, opt_name: str, device: torch.device) -> dict:
+    model = strategy.parallelize(mlp(), device)
     kw = strategy.distributed_sampler_kwargs
-    opt = train(model, opt_name, kw["num_replicas"], kw["rank"])
+    opt = train(model, opt_name, kw["num_replicas"], kw["rank"], device)
     weight = getattr(model, "module", model)[0].weight  # DDP wraps in .module
     meta = {
         "sampler": kw,
@@ -203,7 +207,7 @@ def _train_one(rank: int, strategy: Strategy, opt_name: str) -> dict:
         "mesh": None if strategy._mesh is None else strategy.device_mesh.mesh.tolist(),
     }
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {"state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None, "meta": meta}
+    return {"state": {k: v.detach().cpu() for k, v in state.items()} if rank == 0 else None, "meta": meta}
 
 
 def _train_all(rank: int, world_size: int, cases: tuple) -> dict:
@@ -222,12 +226,12 @@ CASES_4 = ("ddp", "fsdp2", "fsdp2_hsdp", "fsdp2_bf16", "fsdp2+tp", "model_parall
 
 @pytest.fixture(scope="module")
 def world2():
-    return _spawn.run(_train_all, 2, CASES_2, timeout_s=240)
+    return _spawn.run(_train_all, 2, CASES_2, timeout_s=240, simulate_tpu=True)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return _spawn.run(_train_all, 4, CASES_4, timeout_s=480)
+    return _spawn.run(_train_all, 4, CASES_4, timeout_s=480, simulate_tpu=True)
 
 
 @pytest.fixture(scope="module")
