@@ -8,9 +8,11 @@ each worker before torch_tpu reads it, and builds the process group:
 
 - ``tpu_dist`` on real TPUs, after checking that torch_tpu registered a
   ``"tpu"`` device and the ``tpu_dist`` backend (never a silent CPU fallback);
-- ``gloo`` on CPU only in explicit simulation (``RAY_TRAIN_TPU_SIMULATE=1`` in
-  the workers' environment, as `ray_train_tpu.testing.simulated_tpu_cluster`
-  sets it);
+- in explicit simulation (``RAY_TRAIN_TPU_SIMULATE=1`` in the workers'
+  environment, as `ray_train_tpu.testing.simulated_tpu_cluster` sets it) the
+  same ``tpu_dist`` name on a simulated ``tpu`` device, gloo underneath
+  (`ray_train_tpu._compat.simulated_tpu`): a host tensor in a collective of
+  the job's group fails there as it does on a TPU;
 - ``nccl`` (or gloo) through Ray's own TorchConfig backend when the workers
   hold GPUs (or nothing) instead of TPUs.
 
@@ -110,7 +112,8 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         )
         logger.info(
             "ray_train_tpu: %s process group of %d workers on %d x %s%s",
-            backend, len(envs), num_slices, topology, " (SIMULATED on CPU)" if mode is Mode.SIMULATE else "",
+            backend, len(envs), num_slices, topology,
+            " (SIMULATED: a 'tpu' device over CPU memory, gloo underneath)" if mode is Mode.SIMULATE else "",
         )
 
     def rank_order(self, reports: list, cfg: TPUTorchConfig) -> list[int]:
@@ -195,21 +198,17 @@ def _wait_all(calls: list, cfg: TPUTorchConfig, placement: Layout, backend: str,
 
 
 def _choose_backend(requested: Optional[str], mode: Mode) -> str:
-    if Mode(mode) is not Mode.SIMULATE:
-        return "tpu_dist" if requested in (None, "auto") else requested
-    if requested in (None, "auto", "gloo"):
-        return "gloo"
-    if requested == "tpu_dist":
-        # Ray's TorchTrainer asks for tpu_dist whenever use_tpu=True.
-        logger.warning(
-            "ray_train_tpu: SIMULATED slice (%s=1): backend 'tpu_dist' replaced by "
-            "'gloo' on CPU", C.RAY_TRAIN_TPU_SIMULATE,
+    """``tpu_dist`` on a TPU slice, real or simulated (there torch_tpu's backend
+    is stood in for by gloo, for device tensors only, `_compat.simulated_tpu`);
+    an explicit other backend is the user's (e.g. ``gloo``: host tensors only)."""
+    if requested in (None, "auto"):
+        return "tpu_dist"
+    if Mode(mode) is Mode.SIMULATE and requested not in ("tpu_dist", "gloo"):
+        raise ValueError(
+            f"TPUTorchConfig(backend={requested!r}) cannot run on a simulated slice (a simulated "
+            f"'tpu' device, gloo underneath); leave backend=None (tpu_dist) or unset {C.RAY_TRAIN_TPU_SIMULATE}"
         )
-        return "gloo"
-    raise ValueError(
-        f"TPUTorchConfig(backend={requested!r}) cannot run on a simulated slice (CPU "
-        f"tensors, gloo); leave backend=None or unset {C.RAY_TRAIN_TPU_SIMULATE}"
-    )
+    return requested
 
 
 def _resolve_topology(reports, cfg: TPUTorchConfig) -> Topology:

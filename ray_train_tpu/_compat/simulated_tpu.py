@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 DEVICE_TYPE = "tpu"
+TPU_DIST = "tpu_dist"  # torch_tpu's process-group backend, simulated by gloo
 # One device per process, as torch_tpu under TPU_VISIBLE_CHIPS: index 0. torch
 # parses "tpu" only once PrivateUse1 carries that name, so `install` makes it.
 DEVICE: Optional[torch.device] = None
@@ -141,6 +142,8 @@ class SimulatedTPUTensor(torch.Tensor):
 
 
 def _run_on_host_views(func, args, kwargs):
+    if _is_collective(func):
+        args, kwargs = _host_groups(func, args, kwargs)
     host_ok = func in _CROSS_DEVICE
     if func in _HOST_INDICES:  # indices may stay on the host, as CUDA allows
         cpu_args = (_unwrap_all(args[0], func, False), _unwrap_all(args[1], func, True),
@@ -151,6 +154,10 @@ def _run_on_host_views(func, args, kwargs):
     if "device" in cpu_kwargs and _is_tpu(cpu_kwargs["device"]):
         cpu_kwargs = {**cpu_kwargs, "device": torch.device("cpu")}
     out = func(*cpu_args, **cpu_kwargs)
+    for i, name in _written_tensor_arguments(func):
+        original, view = (args[i], cpu_args[i]) if i < len(args) else (kwargs.get(name), cpu_kwargs.get(name))
+        if isinstance(original, SimulatedTPUTensor):
+            _follow_metadata(original, view)
     if func in _TO_HOST and not _is_tpu(kwargs.get("device", DEVICE)):
         return out  # .to("cpu") / .cpu(): the result lives on the host
     aliased = _aliased_arguments(func)
@@ -158,6 +165,74 @@ def _run_on_host_views(func, args, kwargs):
         found = [args[i] if i < len(args) else kwargs[name] for i, name in aliased]
         return found[0] if len(found) == 1 else tuple(found)
     return _wrap_all(out)
+
+
+# -- collectives: the simulated "tpu_dist" process group serves the device only, as torch_tpu's
+
+_PG_TYPE = "__torch__.torch.classes.c10d.ProcessGroup"
+_host_group_of: dict = {}  # group name -> its host twin
+
+
+@functools.lru_cache(maxsize=None)
+def _is_collective(func) -> bool:
+    return func.namespace in ("c10d", "_c10d_functional")
+
+
+def _host_groups(func, args, kwargs):
+    """Replace each process group (object or, for functional collectives, name)
+    with its host twin: the same gloo connections, serving host views."""
+    names = {i for i, a in enumerate(func._schema.arguments) if a.name == "group_name"}
+    args = tuple(_host_group(a, func, by_name=i in names) for i, a in enumerate(args))
+    if "group_name" in kwargs:
+        kwargs = {**kwargs, "group_name": _host_group(kwargs["group_name"], func, by_name=True)}
+    return args, kwargs
+
+
+def _host_group(arg, func, by_name: bool):
+    from torch._C import _distributed_c10d as c10d
+
+    if by_name and isinstance(arg, str):
+        _twin(c10d._resolve_process_group(arg), func)
+        return _host_name(arg)
+    if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name() == _PG_TYPE:
+        return _twin(c10d.ProcessGroup.unbox(arg), func).boxed()
+    return arg
+
+
+def _twin(group, func):
+    """A process group whose host (CPU) backend is `group`'s device backend."""
+    from torch._C import _distributed_c10d as c10d
+
+    twin = _host_group_of.get(group.group_name)
+    if twin is None:
+        try:
+            backend = group._get_backend(torch.device(DEVICE_TYPE))
+        except RuntimeError:
+            raise RuntimeError(
+                f"{func}: process group {group.group_name!r} has no backend for device type {DEVICE_TYPE} "
+                f"(its backend is {group._get_backend_name()!r}); on a TPU that fails too: use the job's "
+                "default group (tpu_dist) for device tensors, or move them to the host first"
+            ) from None
+        twin = c10d.ProcessGroup(group.rank(), group.size())
+        twin._register_backend(torch.device("cpu"), c10d.ProcessGroup.BackendType.GLOO, backend)
+        twin._set_default_backend(c10d.ProcessGroup.BackendType.GLOO)
+        # registered under a name of its own (its backend, and so its group_name, is the group's)
+        c10d._register_process_group(_host_name(group.group_name), twin)
+        _host_group_of[group.group_name] = twin
+    return twin
+
+
+def _host_name(group_name: str) -> str:
+    return f"{group_name}:host"
+
+
+def _create_tpu_dist_group(store, rank: int, size: int, timeout):
+    """The simulated ``tpu_dist`` backend: gloo's connections, registered for the
+    ``tpu`` device only (torch_tpu registers its own for ``tpu`` only too), so a
+    collective on a host tensor of the job's group fails as on a TPU."""
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, size, timeout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,6 +294,23 @@ def _wrap_all(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_wrap_all(x) for x in tree)
     return tree
+
+
+def _follow_metadata(t: "SimulatedTPUTensor", view: torch.Tensor) -> None:
+    """After an op that may change a tensor's shape or storage in place (resize_,
+    set_, an out= whose size was wrong ...) ran on `t`'s host view, give `t` the
+    view's size, stride, offset and storage (``.data =`` copies a tensor's
+    metadata without an op, so it cannot recurse into this dispatch)."""
+    if (t.shape != view.shape or t.stride() != view.stride() or t.storage_offset() != view.storage_offset()
+            or t.untyped_storage()._cdata != view.untyped_storage()._cdata):
+        t.data = SimulatedTPUTensor(view)
+
+
+@functools.lru_cache(maxsize=None)
+def _written_tensor_arguments(func) -> tuple:
+    """``(position, name)`` of the single-tensor arguments an op writes."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write and isinstance(a.type, torch.TensorType))
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,6 +528,9 @@ def install() -> torch.device:
         for op, kernel in (("empty.memory_format", _empty), ("empty_strided", _empty_strided),
                            ("_copy_from", _copy_from), ("_copy_from_and_resize", _copy_from_and_resize)):
             library.impl(op, kernel, "PrivateUse1")
+        import torch.distributed as dist
+
+        dist.Backend.register_backend(TPU_DIST, _create_tpu_dist_group, devices=[DEVICE_TYPE])
         DEVICE = torch.device(DEVICE_TYPE, 0)
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0
         _installed.update(library=library, device=torch.device(DEVICE_TYPE))

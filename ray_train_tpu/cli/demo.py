@@ -1,7 +1,8 @@
 """``python -m ray_train_tpu demo``: the announcement's example on a simulated slice.
 
 Prints the slice plan for a 4x4 TPU-V6E slice (4 hosts x 4 chips), starts a
-SIMULATED copy of it (a real multi-raylet Ray cluster; CPU tensors, gloo), runs
+SIMULATED copy of it (a real multi-raylet Ray cluster; a simulated "tpu"
+device over CPU memory, gloo), runs
 the all_reduce over plain Ray actors, then trains a small model with
 `TPUTorchTrainer` and prints the loss and throughput of every step.
 """
@@ -15,7 +16,7 @@ from typing import TextIO
 
 BANNER = (
     "*** SIMULATED TPU slice: a real Ray cluster whose nodes look like TPU hosts; "
-    "tensors are on CPU and collectives use gloo. No TPU is used. ***"
+    "tensors live on a simulated 'tpu' device (CPU memory) and collectives use gloo. No TPU is used. ***"
 )
 
 
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             f"final loss {final.get('loss', float('nan')):.4f}; checkpoint: "
             f"{result.checkpoint.path if result.checkpoint else 'none'}\n"
         )
-    out.write(f"demo finished in {time.perf_counter() - start:.0f} s (SIMULATED: CPU tensors, gloo)\n")
+    out.write(f"demo finished in {time.perf_counter() - start:.0f} s (SIMULATED: 'tpu' device over CPU memory, gloo)\n")
     return 0
 
 

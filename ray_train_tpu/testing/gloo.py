@@ -11,8 +11,8 @@ a collective.
 
 With ``simulate_tpu=True`` each rank is a process of a simulated TPU host
 (``RAY_TRAIN_TPU_SIMULATE=1``): ``ray_train_tpu.get_device()`` is the simulated
-``tpu`` device, which refuses to mix with host tensors, and gloo carries the
-collectives. Results come back through ``torch.save``: return host tensors
+``tpu`` device, which refuses to mix with host tensors, and the process group is
+the simulated ``tpu_dist`` (gloo underneath, for device tensors only). Results come back through ``torch.save``: return host tensors
 (``.cpu()``), as a real TPU process must before its results leave it.
 
 Example:
@@ -57,7 +57,13 @@ def _child(module: str, qualname: str, rank: int, world_size: int, port: int, ar
         fn = importlib.import_module(module)
         for part in qualname.split("."):
             fn = getattr(fn, part)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        backend = "gloo"
+        if simulate_tpu:
+            from ray_train_tpu._compat import simulated_tpu
+
+            simulated_tpu.install()
+            backend = simulated_tpu.TPU_DIST
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         try:
             result = fn(rank, world_size, *args)
         finally:

@@ -34,8 +34,13 @@ def _probe(config):
     import torch.distributed as dist
 
     ctx = ray.train.get_context()
-    total = torch.tensor([float(dist.get_rank() + 1)])
+    total = torch.tensor([float(dist.get_rank() + 1)], device=ray.train.torch.get_device())
     dist.all_reduce(total)
+    try:  # a host tensor in the job's group: tpu_dist serves the device only, on a TPU too
+        dist.all_reduce(torch.ones(1))
+        host_error = None
+    except RuntimeError as e:
+        host_error = str(e)
     record = {
         "world_rank": ctx.get_world_rank(),
         "local_rank": ctx.get_local_rank(),
@@ -46,6 +51,7 @@ def _probe(config):
         "node_ip": ray.util.get_node_ip_address(),
         "device": str(ray.train.torch.get_device()),
         "sum": total.item(),
+        "host_error": host_error,
         "env": {k: os.environ.get(k) for k in ENV_KEYS + ("RAY_TRAIN_TPU_SIMULATE", "TPU_SKIP_MDS_QUERY")},
     }
     Path(config["out"], f"{ctx.get_world_rank()}.json").write_text(json.dumps(record))
@@ -111,10 +117,11 @@ def test_slicebuilder_addresses_are_shared_and_own_host(probe):
     assert len({r["env"]["TORCH_TPU_XPROF_SESSION_ID"] for r in probe}) == 1
 
 
-def test_all_reduce_and_simulated_cpu_gloo(probe):
+def test_all_reduce_on_the_simulated_tpu_device_over_tpu_dist(probe):
     for r in probe:
         assert r["sum"] == sum(range(1, 9))
-        assert r["backend"] == "gloo" and r["device"] == "cpu"
+        assert r["backend"] == "tpu_dist" and r["device"] == "tpu"
+        assert "No backend type associated with device type cpu" in r["host_error"]
         assert r["env"]["RAY_TRAIN_TPU_SIMULATE"] == "1" and r["env"]["TPU_SKIP_MDS_QUERY"] == "1"
 
 
@@ -175,7 +182,7 @@ def test_seed_example_all_reduce_over_plain_actors(sim):
         results = ray.get([a.all_reduce.remote() for a in ordered])
         assert [r[1] for r in results] == list(range(8))  # returned in rank order
         assert [r[2] for r in results] == [0] * 4 + [1] * 4
-        assert all(r[0] == 36.0 and r[3] == "cpu" for r in results)
+        assert all(r[0] == 36.0 and r[3] == "tpu:0" for r in results)
         shutdown_process_group(ordered)
     finally:
         for a in actors:

@@ -2,7 +2,10 @@
 
 1. Numerical equivalence: DDP, FSDP2, TP and FSDP2+TP give the parameters of a
    single-process reference trained on the full batch.
-2. Drop-in: an ordinary TorchTrainer training loop runs unchanged.
+2. Drop-in: an ordinary TorchTrainer training loop runs unchanged, on the
+   simulated "tpu" device (Ray's own prepare_data_loader moves its batches).
+3. A planted slip (a host batch fed to the device model) fails as on a TPU,
+   naming both devices.
 """
 
 import json
@@ -151,10 +154,13 @@ def test_ordinary_torch_trainer_loop_runs_unchanged(sim, tmp_path):
         run_config=ray.train.RunConfig(name="dropin", storage_path=str(tmp_path)),
     ).fit()
     assert result.error is None
-    assert result.metrics["epoch"] == 1 and result.metrics["world_size"] == 4 and result.metrics["device"] == "cpu"
+    assert result.metrics["epoch"] == 1 and result.metrics["world_size"] == 4 and result.metrics["device"] == "tpu"
     assert result.checkpoint is not None
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "model.pt")
+        # saved from device tensors: the driver holds no TPU, so it maps them to the host (as with CUDA)
+        with pytest.raises(RuntimeError, match="tpu"):
+            torch.load(Path(d) / "model.pt")
+        state = torch.load(Path(d) / "model.pt", map_location="cpu")
     assert set(state) == {"module.weight", "module.bias"}  # DDP-wrapped, as with TorchTrainer
     assert str(result.path).startswith(str(tmp_path / "dropin"))
 
@@ -182,15 +188,21 @@ def test_ray_data_datasets_are_sharded(sim, tmp_path):
     assert sum(parts) == sum(range(200)) and all(p > 0 for p in parts)
 
 
-def _failing_loop():
+def _slip_on_rank_2():
+    import ray_train_tpu
+
+    model = ray_train_tpu.prepare_model(nn.Linear(8, 1))
+    batch = torch.randn(4, 8)  # never moved to the device
     if ray.train.get_context().get_world_rank() == 2:
-        raise ValueError("boom from rank 2")
+        model(batch)
+    model(batch.to(ray_train_tpu.get_device()))
 
 
-def test_error_in_loop_is_a_training_failed_error(sim, tmp_path):
-    with pytest.raises(ray.train.TrainingFailedError, match="boom from rank 2"):
+def test_a_host_batch_fed_to_the_device_model_fails_as_on_a_tpu(sim, tmp_path):
+    """The error of one rank is the run's TrainingFailedError, and it names both devices."""
+    with pytest.raises(ray.train.TrainingFailedError, match=r"two devices, tpu:0 and cpu") as e:
         TPUTorchTrainer(
-            _failing_loop,
+            _slip_on_rank_2,
             scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
             run_config=ray.train.RunConfig(storage_path=str(tmp_path)),
         ).fit()

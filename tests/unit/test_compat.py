@@ -95,3 +95,34 @@ def test_call_in_actor_runs_a_function_in_any_actor():
 
     compat_ray.call_in_actor(types.SimpleNamespace(__ray_call__=_Method()), lambda a, b=0: a + b, 2, b=3)
     assert calls == [5]
+
+
+def test_simulated_tpu_device_seams_exist():
+    """The private torch APIs that `_compat.simulated_tpu` builds the simulated
+    device from, checked without registering it (that renames PrivateUse1 for
+    the life of the process; tests/unit/test_simulated_device.py runs it in
+    spawned processes)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the op below)
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    assert list(inspect.signature(_setup_privateuseone_for_python_backend).parameters) == [
+        "rename", "backend_module", "hook", "device_guard"]
+    assert {"PrivateUse1Hooks", "DeviceGuard"} <= set(dir(torch._C._acc))
+    assert callable(torch._C._disabled_torch_function_impl) and callable(torch._C._get_privateuse1_backend_name)
+    assert _make_subclass_accepts_device()
+    assert callable(torch._utils._rebuild_device_tensor_from_cpu_tensor)
+    assert torch.Tag.nondeterministic_seeded in torch.ops.aten.native_dropout.default.tags
+    assert torch.ops.prim.device.default is not None
+    assert torch.ops._c10d_functional._wrap_tensor_autograd.default.name() == "_c10d_functional::_wrap_tensor_autograd"
+    from ray.air._internal.device_manager.tpu import TPUTorchDeviceManager
+
+    assert callable(TPUTorchDeviceManager.is_available) and callable(TPUTorchDeviceManager.get_devices)
+
+
+def _make_subclass_accepts_device() -> bool:
+    class Probe(torch.Tensor):
+        pass
+
+    made = torch.Tensor._make_subclass(Probe, torch.zeros(1), False, dispatch_device=True,
+                                       device_for_backend_keys=torch.device("cpu"))
+    return isinstance(made, Probe)

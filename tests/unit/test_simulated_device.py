@@ -1,0 +1,244 @@
+"""The simulated TPU device: not the host, as strict as a real chip where it matters.
+
+Every case runs in a spawned process of a simulated TPU host
+(`ray_train_tpu.testing.gloo.run(..., simulate_tpu=True)`): registering the
+device renames PyTorch's PrivateUse1 slot for the life of a process, which the
+test process itself must never do. The checks that run there return plain
+values; a failed assertion fails the test with the child's traceback.
+"""
+
+import pickle
+
+import pytest
+import torch
+
+from ray_train_tpu.testing import gloo as _spawn
+
+
+def _in_child(fn, world_size=1):
+    return _spawn.run(fn, world_size, timeout_s=120, simulate_tpu=True)
+
+
+def _single_rank_checks(rank, world):
+    return {name: fn(rank, world) for name, fn in (("mixing", _mixing_fails), ("copies", _host_device_copies),
+                                                   ("rng", _own_generator), ("pickle", _pickles_to_the_device),
+                                                   ("in_place", _in_place_metadata))}
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """One simulated process runs every single-rank check (a spawn costs ~2 s)."""
+    return _in_child(_single_rank_checks)[0]
+
+
+def _mixing_fails(rank, world):
+    from torch import nn
+
+    import ray_train_tpu
+    from ray_train_tpu._compat.simulated_tpu import DeviceMismatchError
+
+    device = ray_train_tpu.get_device()
+    assert device == torch.device("tpu") and str(device) == "tpu"
+    model = nn.Linear(4, 2).to(device)
+    assert model.weight.device == torch.device("tpu", 0) and model.weight.device.type == "tpu"
+    host = torch.randn(3, 4)
+    messages = []
+    for slip in (lambda: model(host), lambda: host + model.weight[:1], lambda: torch.cat([host, model.weight.T.T[:1]]),
+                 lambda: torch.nn.functional.mse_loss(model(host.to(device)), torch.zeros(3, 2))):
+        try:
+            slip()
+        except DeviceMismatchError as e:
+            messages.append(str(e))
+    assert len(messages) == 4, messages
+    assert all("found at least two devices, tpu:0 and cpu" in m for m in messages), messages
+    # what is allowed, as on CUDA: copies, 0-dim host scalars, host index tensors
+    x = host.to(device)
+    y = x * torch.tensor(2.0) + 1
+    assert y.device.type == "tpu" and torch.equal(y.cpu(), host * 2 + 1)
+    assert torch.equal(x[torch.tensor([0, 2])].cpu(), host[[0, 2]])
+    assert model(x).device.type == "tpu" and model(x).cpu().device.type == "cpu"
+    return messages[0]
+
+
+def test_a_host_tensor_meeting_a_device_tensor_fails_naming_both_devices(checked):
+    message = checked["mixing"]
+    assert "SIMULATED TPU device" in message and ".to(ray_train_tpu.get_device())" in message
+
+
+def _host_device_copies(rank, world):
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    host = torch.arange(6, dtype=torch.float32).view(2, 3)
+    on_device = host.to(device)
+    assert type(on_device).__name__ == "SimulatedTPUTensor" and not on_device.is_cpu
+    back = on_device.cpu()
+    assert type(back) is torch.Tensor and back.device.type == "cpu" and torch.equal(back, host)
+    host.add_(100)  # a copy, not an alias of the host tensor
+    assert torch.equal(on_device.cpu(), back)
+    made = [torch.zeros(2, device=device), torch.ones(2, 2, device="tpu"), torch.arange(3, device=device),
+            torch.tensor([1, 2], device=device), torch.empty_like(on_device), on_device.new_zeros(4),
+            on_device.to(torch.bfloat16), on_device.T.contiguous(), on_device.sum()]
+    assert all(t.device == torch.device("tpu", 0) for t in made)
+    scalars = (on_device.sum().item(), float(on_device.max()), f"{on_device.mean():.2f}", on_device.tolist())
+    try:
+        on_device.numpy()
+        raise AssertionError(".numpy() of a device tensor worked")
+    except TypeError as e:
+        numpy_error = str(e)
+    return scalars, numpy_error, repr(on_device)
+
+
+def test_copies_between_host_and_device_are_explicit_and_scalars_come_back(checked):
+    ((total, largest, mean, listed), numpy_error, shown) = checked["copies"]
+    assert (total, largest, mean, listed) == (15.0, 5.0, "2.50", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    assert "can't convert tpu:0 device type tensor to numpy" in numpy_error
+    assert shown.endswith("device='tpu:0')")
+
+
+def _own_generator(rank, world):
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    torch.manual_seed(0)
+    host, dev = torch.randn(8), torch.randn(8, device=device).cpu()
+    torch.manual_seed(0)
+    again = torch.randn(8, device=device).cpu()
+    dropped = torch.nn.functional.dropout(torch.ones(64, device=device), 0.5).cpu()
+    module = torch.get_device_module("tpu")
+    state = module.get_rng_state()
+    first = torch.rand(4, device=device).cpu()
+    module.set_rng_state(state)
+    replay = torch.rand(4, device=device).cpu()
+    host_before = torch.get_rng_state()
+    torch.rand(4, device=device)  # a device draw leaves the host stream alone
+    try:
+        torch.randn(2, device=device, generator=torch.Generator().manual_seed(1))
+        raise AssertionError("a host generator drove a device op")
+    except RuntimeError as e:
+        assert "generator of device 'cpu'" in str(e)
+    return (torch.equal(host, dev), torch.equal(dev, again), 0 < int((dropped == 0).sum()) < 64,
+            torch.equal(first, replay), torch.equal(host_before, torch.get_rng_state()))
+
+
+def test_the_device_has_its_own_random_generator_seeded_by_torch_manual_seed(checked):
+    same_as_host, reproducible, dropout_random, replayable, host_untouched = checked["rng"]
+    assert not same_as_host and reproducible and dropout_random and replayable and host_untouched
+
+
+def _returns_a_device_tensor(rank, world):
+    import ray_train_tpu
+
+    return {"loss": torch.ones(2, device=ray_train_tpu.get_device())}
+
+
+def test_a_device_tensor_cannot_be_rebuilt_in_a_process_without_the_device():
+    """A device tensor that leaves the worker (here through torch.save, as Ray
+    pickles a task's result) arrives as a device tensor: the receiving process,
+    like a driver on a real slice, has no TPU to put it on."""
+    with pytest.raises(RuntimeError, match="tpu"):
+        _in_child(_returns_a_device_tensor)
+
+
+def _pickles_to_the_device(rank, world):
+    import ray_train_tpu
+
+    t = torch.arange(4.0, device=ray_train_tpu.get_device())
+    back = pickle.loads(pickle.dumps(t))
+    loaded = torch.load(__import__("io").BytesIO(_saved(t)), weights_only=True)
+    mapped = torch.load(__import__("io").BytesIO(_saved(t)), weights_only=True, map_location="cpu")
+    return [back.device.type, loaded.device.type, mapped.device.type, torch.equal(back.cpu(), mapped)]
+
+
+def _saved(t):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    return buffer.getvalue()
+
+
+def test_pickling_copies_to_the_host_and_rebuilds_on_the_device(checked):
+    assert checked["pickle"] == ["tpu", "tpu", "cpu", True]
+
+
+def _collectives(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    t = torch.full((3,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    gathered = [torch.empty(1, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([float(rank)], device=device))
+    objects = [None] * world
+    dist.all_gather_object(objects, "x" * (10 + 7 * rank))  # unequal sizes: resize_ on a device tensor
+    model = torch.nn.Linear(2, 2).to(device)
+    twin = copy.deepcopy(model)
+    errors = []
+    for slip in (lambda: dist.all_reduce(torch.ones(1)),  # a host tensor in the job's tpu_dist group
+                 lambda: dist.all_reduce(torch.ones(1, device=device), group=dist.new_group(backend="gloo"))):
+        try:
+            slip()
+        except RuntimeError as e:
+            errors.append(str(e))
+    return (dist.get_backend(), t.device.type, t.cpu().tolist(), [g.item() for g in gathered],
+            [len(o) for o in objects], twin.weight.device.type, torch.equal(twin.weight.cpu(), model.weight.cpu()),
+            isinstance(twin.weight, torch.nn.Parameter), errors)
+
+
+def test_collectives_on_device_tensors_run_over_gloo_as_tpu_dist():
+    results = _in_child(_collectives, world_size=2)
+    for backend, device, total, gathered, sizes, twin_device, same, is_param, errors in results:
+        assert (backend, device, total, gathered, sizes) == ("tpu_dist", "tpu", [3.0, 3.0, 3.0], [0.0, 1.0], [10, 17])
+        assert (twin_device, same, is_param) == ("tpu", True, True)
+        assert len(errors) == 2, errors
+        assert "No backend type associated with device type cpu" in errors[0]
+        assert "has no backend for device type tpu (its backend is 'gloo')" in errors[1]
+
+
+def _in_place_metadata(rank, world):
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    a = torch.arange(4.0, device=device)
+    a.resize_(6)
+    out = torch.empty(0, device=device)
+    torch.add(torch.ones(3, device=device), 1, out=out)
+    b, host = torch.zeros(2, 3, device=device), torch.zeros(2, 3)
+    for t in (b, host):
+        t.t_()
+        t.unsqueeze_(0)
+    c = torch.empty(0, device=device).set_(a)
+    return [tuple(a.shape), out.cpu().tolist(), (tuple(b.shape), b.stride()) == (tuple(host.shape), host.stride()),
+            tuple(c.shape), c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr(), a.device.type,
+            out.device.type]
+
+
+def test_in_place_ops_that_change_shape_or_storage_keep_the_device_tensor_right(checked):
+    assert checked["in_place"] == [(6,), [2.0, 2.0, 2.0], True, (6,), True, "tpu", "tpu"]
+
+
+def _refuses_a_taken_slot(rank, world):
+    from ray_train_tpu._compat import simulated_tpu
+
+    torch.utils.rename_privateuse1_backend("npu_like")
+    try:
+        simulated_tpu.install()
+    except RuntimeError as e:
+        return str(e)
+    return "installed"
+
+
+def test_it_refuses_to_simulate_where_privateuse1_belongs_to_another_backend():
+    (message,) = _spawn.run(_refuses_a_taken_slot, 1, timeout_s=60)
+    assert "already 'npu_like'" in message and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in message
+
+
+def test_the_test_process_itself_never_simulates():
+    from ray_train_tpu._compat import simulated_tpu
+
+    assert not simulated_tpu.installed() and torch._C._get_privateuse1_backend_name() == "privateuseone"
