@@ -5,7 +5,9 @@ processes and one torch thread each, launched three ways, plus two experiments
 that take a Ray launcher's circumstances to torchrun one at a time:
 
 - ``ours``: `TPUTorchTrainer(strategy="ddp")` (on ``--device cpu``, a SIMULATED
-  v4 slice: a real multi-raylet Ray cluster, CPU tensors, gloo);
+  v4 slice: a real multi-raylet Ray cluster, gloo; its workers train on the host
+  (``RAY_TRAIN_TPU_SIMULATE_DEVICE=host``), as the CPU baselines do, not on the
+  stricter simulated "tpu" device, whose Python dispatch would be measured too);
 - ``torch_trainer``: Ray's `ray.train.torch.TorchTrainer`, ``ScalingConfig(num_workers=N)``
   CPU workers (GPU workers on cuda), gloo (nccl);
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node N``;
@@ -72,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 from benchmarks import _callgrind  # noqa: E402
+from ray_train_tpu import constants as C  # noqa: E402
 
 NAME = "step_overhead"
 LAUNCHERS = ("ours", "torch_trainer", "torchrun", "torchrun_beside_ray", "torchrun_in_thread")
@@ -546,14 +549,18 @@ def run_ray(launcher: str, cfg: dict, args, storage: str, index: int, callgrind_
     from ray_train_tpu import TPUScalingConfig, TPUTorchTrainer
 
     cfg = {**cfg, "launcher": launcher}
-    worker_env = None
+    worker_env = {}
+    if args.device == "cpu":
+        # Like with like: the CPU baselines (torchrun, TorchTrainer) train on the host, so the
+        # SIMULATED slice's workers do too, not on the stricter simulated "tpu" device.
+        worker_env["env_vars"] = {C.RAY_TRAIN_TPU_SIMULATE_DEVICE: "host"}
     if callgrind_dir:  # the first train worker to start runs under callgrind
         wrapper = _callgrind.write_wrapper(Path(callgrind_dir) / "python.sh", sys.executable, callgrind_dir,
                                            rank_env=None, threads=args.callgrind_threads)
-        worker_env = {"py_executable": str(wrapper)}
+        worker_env["py_executable"] = str(wrapper)
     run_config = ray.train.RunConfig(name=f"{NAME}_{launcher}_{index}", storage_path=storage,
                                      failure_config=ray.train.FailureConfig(max_failures=0),
-                                     worker_runtime_env=worker_env)
+                                     worker_runtime_env=worker_env or None)
     gpu = args.device == "cuda"
     n = _num_workers(args)
     if launcher == "ours":

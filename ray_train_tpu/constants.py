@@ -54,6 +54,12 @@ HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 
 # This package: explicit simulation of a TPU slice on CPU with gloo.
 RAY_TRAIN_TPU_SIMULATE = "RAY_TRAIN_TPU_SIMULATE"
+# What a simulated TPU worker's device is: "tpu" (default), a simulated device that
+# refuses host tensors as a TPU does; "host", the CPU itself (kinder: host/device
+# slips go unnoticed), only to compare per-step overhead with CPU baselines
+# (benchmarks/step_overhead.py).
+RAY_TRAIN_TPU_SIMULATE_DEVICE = "RAY_TRAIN_TPU_SIMULATE_DEVICE"
+SIMULATED_DEVICE_KINDS = ("tpu", "host")
 
 # Defaults, as torch_tpu's launcher and Ray use them.
 DEFAULT_TORCH_TPU_BASE_PORT = 8070

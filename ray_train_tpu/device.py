@@ -33,6 +33,19 @@ def is_simulated() -> bool:
     return _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
 
 
+def simulated_device_kind() -> str:
+    """``"tpu"`` (the simulated device, the default) or ``"host"`` (the CPU itself,
+    only for overhead comparisons with CPU baselines), from
+    ``RAY_TRAIN_TPU_SIMULATE_DEVICE``."""
+    kind = _environ.get(C.RAY_TRAIN_TPU_SIMULATE_DEVICE) or "tpu"
+    if kind not in C.SIMULATED_DEVICE_KINDS:
+        raise ValueError(
+            f"{C.RAY_TRAIN_TPU_SIMULATE_DEVICE}={kind!r} must be one of {', '.join(C.SIMULATED_DEVICE_KINDS)}; "
+            "leave it unset for the simulated 'tpu' device"
+        )
+    return kind
+
+
 # The "tpu" device once `check_tpu_runtime` passed in this process: torch_tpu's
 # registrations last as long as the process, so the check runs once, not at every
 # call (a training loop may call get_device() every step, as Ray's examples do).
@@ -56,6 +69,8 @@ def get_device():
     if is_simulated() and (holds_tpu or not in_ray):
         from ray_train_tpu._compat import simulated_tpu
 
+        if simulated_device_kind() == "host":
+            return simulated_tpu.install_host_stand_in()
         return simulated_tpu.install()  # idempotent: a lookup after the first call
     if holds_tpu:
         if _checked_tpu_device is None:

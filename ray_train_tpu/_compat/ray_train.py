@@ -133,15 +133,22 @@ def installed_tpu_worker_sort() -> Any:
     return getattr(installed, "func", installed)
 
 
-def use_simulated_tpu_device_manager() -> None:
+def use_simulated_tpu_device_manager(host: bool = False) -> None:
     """In an explicitly simulated worker: Ray's own TPU device manager, so that
     ``ray.train.torch.get_device()`` is the simulated ``tpu`` device, without
-    the ``import torch_tpu`` by which it tells that torch_tpu is there."""
+    the ``import torch_tpu`` by which it tells that torch_tpu is there. With
+    `host`, Ray's CPU device manager (``RAY_TRAIN_TPU_SIMULATE_DEVICE=host``)."""
     import ray.air._internal.device_manager as dm
+    from ray.air._internal.device_manager.cpu import CPUTorchDeviceManager
     from ray.air._internal.device_manager.tpu import TPUTorchDeviceManager
 
     from ray_train_tpu._compat import simulated_tpu
 
+    if host:
+        simulated_tpu.install_host_stand_in()
+        with dm._torch_device_manager_lock:
+            dm._torch_device_manager = CPUTorchDeviceManager()
+        return
     simulated_tpu.install()
 
     class SimulatedTPUTorchDeviceManager(TPUTorchDeviceManager):

@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEVICE_TYPE = "tpu"
 TPU_DIST = "tpu_dist"  # torch_tpu's process-group backend, simulated by gloo
@@ -535,6 +538,24 @@ def install() -> torch.device:
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0
         _installed.update(library=library, device=torch.device(DEVICE_TYPE))
         return _installed["device"]
+
+
+def install_host_stand_in() -> torch.device:
+    """The kinder simulation (``RAY_TRAIN_TPU_SIMULATE_DEVICE=host``): the device
+    is the CPU itself and ``tpu_dist`` is gloo for host tensors. Host/device slips
+    go unnoticed; only for comparing per-step overhead with CPU baselines."""
+    import torch.distributed as dist
+
+    with _lock:
+        if _installed:
+            raise RuntimeError("this process already has the simulated 'tpu' device; it cannot also use the host")
+        if TPU_DIST not in dist.Backend.backend_list:
+            dist.Backend.register_backend(TPU_DIST, _create_tpu_dist_group, devices=["cpu"])
+            logger.warning(
+                "ray_train_tpu: SIMULATED with the host as the device (RAY_TRAIN_TPU_SIMULATE_DEVICE=host): "
+                "a batch never moved to the device, or a device tensor put in the object store, goes unnoticed"
+            )
+    return torch.device("cpu")
 
 
 def installed() -> bool:

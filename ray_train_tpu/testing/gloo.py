@@ -60,8 +60,9 @@ def _child(module: str, qualname: str, rank: int, world_size: int, port: int, ar
         backend = "gloo"
         if simulate_tpu:
             from ray_train_tpu._compat import simulated_tpu
+            from ray_train_tpu.device import get_device
 
-            simulated_tpu.install()
+            get_device()  # registers the simulated device and its tpu_dist backend
             backend = simulated_tpu.TPU_DIST
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         try:

@@ -242,3 +242,26 @@ def test_the_test_process_itself_never_simulates():
     from ray_train_tpu._compat import simulated_tpu
 
     assert not simulated_tpu.installed() and torch._C._get_privateuse1_backend_name() == "privateuseone"
+
+
+def _host_stand_in(rank, world):
+    import torch.distributed as dist
+
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    total = torch.ones(2) * (rank + 1)
+    dist.all_reduce(total)  # tpu_dist is gloo for host tensors in this mode
+    return str(device), dist.get_backend(), total.tolist()
+
+
+def test_the_host_stand_in_is_explicit_and_only_what_it_says(monkeypatch):
+    """RAY_TRAIN_TPU_SIMULATE_DEVICE=host (benchmarks comparing per-step overhead with
+    CPU baselines) makes the device the host itself; anything else is refused by name."""
+    from ray_train_tpu import device
+
+    monkeypatch.setenv("RAY_TRAIN_TPU_SIMULATE_DEVICE", "host")
+    assert _in_child(_host_stand_in, world_size=2) == [("cpu", "tpu_dist", [3.0, 3.0])] * 2
+    monkeypatch.setenv("RAY_TRAIN_TPU_SIMULATE_DEVICE", "gpu")
+    with pytest.raises(ValueError, match=r"RAY_TRAIN_TPU_SIMULATE_DEVICE='gpu' must be one of tpu, host"):
+        device.simulated_device_kind()
