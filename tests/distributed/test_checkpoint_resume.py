@@ -109,6 +109,7 @@ def _train_steps(config, rank, checkpointing, out, fail, guard):
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
     )
 
+    import ray_train_tpu
     from ray_train_tpu import checkpoint
     from ray_train_tpu.launch_env import ENV_KEYS
 
@@ -122,10 +123,11 @@ def _train_steps(config, rank, checkpointing, out, fail, guard):
             record["placement_groups"] = _live_placement_groups()
         with open(out / "attempts.jsonl", "a") as f:  # one short line per rank: an atomic append
             f.write(json.dumps(record) + "\n")
+    device = ray_train_tpu.get_device()
     while step < STEPS:
         loader.set_epoch(epoch)
         for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -44,8 +44,10 @@ def _probe(config):
     import torch
     import torch.distributed as dist
 
+    import ray_train_tpu
+
     ctx = ray.train.get_context()
-    total = torch.tensor([float(dist.get_rank() + 1)])
+    total = torch.tensor([float(dist.get_rank() + 1)], device=ray_train_tpu.get_device())
     dist.all_reduce(total)
     record = {"world_rank": ctx.get_world_rank(), "node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
               "node_ip": ray.util.get_node_ip_address(), "sum": total.item(),
@@ -111,7 +113,9 @@ class _Actor:
         import torch
         import torch.distributed as dist
 
-        t = torch.ones(1) * (dist.get_rank() + 1)
+        import ray_train_tpu
+
+        t = torch.ones(1, device=ray_train_tpu.get_device()) * (dist.get_rank() + 1)
         dist.all_reduce(t)
         return t.item(), int(os.environ["RANK"]), ray.util.get_node_ip_address()
 

@@ -29,8 +29,10 @@ def _probe(config):
     import torch
     import torch.distributed as dist
 
+    import ray_train_tpu
+
     ctx = ray.train.get_context()
-    t = torch.tensor([1.0])
+    t = torch.tensor([1.0], device=ray_train_tpu.get_device())
     dist.all_reduce(t)
     Path(config["out"], f"{ctx.get_world_rank()}.json").write_text(json.dumps({
         "rank": ctx.get_world_rank(), "node_rank": ctx.get_node_rank(), "ip": ray.util.get_node_ip_address(),
@@ -77,7 +79,7 @@ def _ddp_loop(config):
     model = ray_train_tpu.prepare_model(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
-        x = torch.randn(8, 4) * (dist.get_rank() + 1)  # different data per rank
+        x = torch.randn(8, 4).to(ray_train_tpu.get_device()) * (dist.get_rank() + 1)  # different data per rank
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()

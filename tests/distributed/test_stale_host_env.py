@@ -55,8 +55,10 @@ def _record(config):
     import torch
     import torch.distributed as dist
 
+    import ray_train_tpu
+
     ctx = ray.train.get_context()
-    total = torch.tensor([1.0])
+    total = torch.tensor([1.0], device=ray_train_tpu.get_device())
     dist.all_reduce(total)
     out = Path(config["out"])
     attempt = len(list(out.glob(f"{ctx.get_world_rank()}.*.json")))
