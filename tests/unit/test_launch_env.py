@@ -36,6 +36,10 @@ def test_v4_2x2x2_matches_torch_tpu_example():
         "MASTER_ADDR": "h0",
         "MASTER_PORT": "29500",
         "TPU_VISIBLE_CHIPS": "1",
+        "TPU_HOST_BOUNDS": "2,2,2",  # torch_tpu's per-process view: a mesh of one-chip processes
+        "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": "2,2,2",
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
         "TPU_WORKER_ID": "1",
         "TPU_WORKER_HOSTNAMES": "h0,h1",
         "TORCH_TPU_SLICEBUILDER_ADDRESSES": "h0:8070,h0:8071,h0:8072,h0:8073,h1:8070,h1:8071,h1:8072,h1:8073",
@@ -70,7 +74,11 @@ def test_v7x_local_rank_is_a_core_and_chip_is_shared():
     assert len(envs) == 16
     place, env = envs[11]
     assert (place.worker_id, place.local_rank, place.chip) == (1, 3, 1)
-    assert env["TPU_VISIBLE_CHIPS"] == "1" and env["LOCAL_WORLD_SIZE"] == "8"
+    # torch_tpu masks one device per process: TPU_VISIBLE_CHIPS is the TensorCore (LOCAL_RANK),
+    # not Ray's physical chip (1), and a process holds one core of a chip
+    assert env["TPU_VISIBLE_CHIPS"] == "3" and env["LOCAL_WORLD_SIZE"] == "8"
+    assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == env["TPU_CHIPS_PER_HOST_BOUNDS"] == "1,1,1,1"
+    assert env["TPU_PROCESS_BOUNDS"] == env["TPU_HOST_BOUNDS"] == "2,2,2,2"
     assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[11] == "b:8073"
     assert env["TORCH_TPU_TOPOLOGY"] == "2,2,2,2"
 
