@@ -1,10 +1,16 @@
 """A simulated TPU slice: a real multi-raylet Ray cluster on one machine.
 
 One raylet per TPU host, each on its own loopback address, carrying the TPU
-resources, node labels and host environment that a GKE TPU node has
-(``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``),
-so Ray's real TPU scheduling (``SlicePlacementGroup``, head resources, labels)
-runs unchanged. Simulation is explicit: every process of the cluster carries
+resources, node labels and host environment that a KubeRay worker pod on a GKE
+TPU node has (`gke_device_plugin_env`: ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``,
+``TPU_HOST_BOUNDS``, ``TPU_CHIPS_PER_HOST_BOUNDS`` and the rest; KubeRay's
+webhook: ``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``), so Ray's
+real TPU scheduling (``SlicePlacementGroup``, head resources, labels) runs
+unchanged and Ray's own code gives each ``{"TPU": 1}`` worker its one-chip
+``TPU_VISIBLE_CHIPS`` and bounds from them. Each host also carries its chips'
+physical coordinates (`chip_layout`), from which
+`ray_train_tpu.testing.simulated_libtpu` answers torch_tpu's coordinate query
+as libtpu would for the environment it runs with. Simulation is explicit: every process of the cluster carries
 ``RAY_TRAIN_TPU_SIMULATE=1``, which is what lets the backend use CPU tensors
 and gloo. Every process also carries ``TPU_SKIP_MDS_QUERY=1`` and
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so libtpu never looks for a cloud metadata
@@ -69,7 +75,9 @@ class SimulatedTPUCluster:
         return [slice_name(s) for s in range(self.num_slices)]
 
     def host_env(self, key: HostKey) -> dict[str, str]:
-        return _host_env(self.topology, *key)
+        """The variables host `key` was started with (its raylet's, so its workers'),
+        fault-injection overrides included; the defaults if it never started."""
+        return dict(self._envs.get(tuple(key)) or _host_env(self.topology, *key))
 
     def remove_host(self, slice_id: int, worker_id: int) -> None:
         """Take a host away, as a preempted or failed TPU VM (for fault tests)."""
@@ -106,13 +114,14 @@ class SimulatedTPUCluster:
         """
         key = (slice_id, worker_id)
         extra = {C.RAY_TRAIN_TPU_SIMULATE_STALL_S: str(stall_s)} if stall_s else None
-        self._nodes[key] = _add_host(
+        self._nodes[key], self._envs[key] = _add_host(
             self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
             env=env, labels=labels, resources=resources,
         )
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
+    _envs: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
@@ -219,15 +228,17 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     saved = _environ.snapshot(list(env) + removed)
     _environ.update(env)
     _environ.unset(removed)
+    env_vars = {**SIMULATION_ENV, **env, **(extra_env or {})}
     try:
-        return cluster.add_node(
+        node = cluster.add_node(
             node_ip_address=host_ip(slice_id, worker_id),
             num_cpus=cpus,
             resources=_overlay(node_resources, resources),
             labels=_overlay(node_labels, labels),
-            env_vars={**SIMULATION_ENV, **env, **(extra_env or {})},
+            env_vars=env_vars,
             object_store_memory=_OBJECT_STORE_BYTES,
         )
+        return node, env_vars
     finally:
         _environ.unset(k for k in env if k not in saved)
         _environ.update(saved)
