@@ -432,3 +432,26 @@ def test_simulated_cluster_checks_host_coords_before_starting(coords, match):
     with pytest.raises(ValueError, match=match):
         with simulated_tpu_cluster("2x2x4", "TPU-V4", host_coords=coords, connect=False):
             pass
+
+
+@pytest.mark.parametrize("name, accel", [("2x2x2", "TPU-V4"), ("4x4", "TPU-V6E"), ("2x4", "TPU-V6E"),
+                                         ("2x2x1", "TPU-V7X"), ("4x4x4", "TPU-V5P")])
+def test_a_simulated_hosts_variables_are_what_ray_reads_on_gke(monkeypatch, name, accel):
+    """Ray 2.60's own TPUAcceleratorManager, on a simulated host's variables, finds the
+    slice, pod type, worker id and head resource a GKE host gives it."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager as M
+
+    from ray_train_tpu.testing.simulated_cluster import _host_env
+
+    t = Topology.parse(name, accel)
+    for worker_id in range(t.num_hosts):
+        for key, value in _host_env(t, 0, worker_id).items():
+            monkeypatch.setenv(key, value)
+        assert M.get_current_node_tpu_pod_type() == t.pod_type
+        assert M.get_current_node_tpu_topology() == t.name
+        assert M.get_current_node_tpu_worker_id() == worker_id
+        assert M.get_current_node_accelerator_type() == t.accelerator_type
+        head = f"TPU-{t.pod_type}-head"
+        assert (head in M.get_current_node_additional_resources()) == (worker_id == 0)
+        layout_ = simulated_libtpu.parse_chip_layout(os.environ[C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS])
+        assert layout_ == [t.chip_coords(worker_id, i) for i in range(t.chips_per_host)]
