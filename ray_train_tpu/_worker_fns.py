@@ -7,9 +7,14 @@ seams in `_compat`, the device check and the typed report of `discovery`.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import sys
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional, Union
 
 from ray_train_tpu import _environ
@@ -40,51 +45,104 @@ def report() -> WorkerReport:
         gpu_ids=tuple(int(g) for g in ids.get("GPU", [])),
         mode=Mode.SIMULATE if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1" else Mode.TPU,
         preset=_environ.snapshot(ENV_KEYS + MEGASCALE_KEYS),
-        chip_coords=chip_coords() if ids.get("TPU") else None,
+        chip_coords=host_chip_coords() if ids.get("TPU") else None,
     )
 
 
-_COORDS: dict = {}  # this worker's answer, asked once (a PJRT start-up on real TPUs)
+_HOST_COORDS: dict = {}  # this host's answer, in the worker that asked (or read it)
+# The worker holding this Ray TPU id asks for its host; the others report None.
+_ASKING_TPU_ID = "0"
+SIMULATED_LIBTPU_MODULE = "ray_train_tpu.testing.simulated_libtpu"
 
 
-def chip_coords() -> Optional[tuple[int, int, int]]:
-    """Physical (X, Y, Z) of this worker's TPU chip in the slice's mesh, or None.
+def host_chip_coords() -> Optional[tuple[int, int, int]]:
+    """Physical (X, Y, Z) of the first chip of this worker's host, or None.
 
-    On real TPUs, torch_tpu's own query (`_compat.torch_tpu.local_chip_coords`);
-    on a simulated host, the host's ``RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS``
-    ("x,y,z" of its first chip; `simulated_tpu_cluster(host_coords=...)` sets
-    it), read only when ``RAY_TRAIN_TPU_SIMULATE=1``.
+    One worker per host asks (the one holding Ray's TPU id 0, so every host of
+    a whole slice asks at once, as a multi-host bring-up needs), and only on a
+    multi-host slice (one host has nothing to order): torch_tpu's own query
+    (`_compat.torch_tpu.query_chip_coords`) in one child process, before any
+    worker has started PJRT, with the whole host's view of libtpu
+    (`launch_env.coords_query_env`), not this worker's one-chip view from Ray.
+    On a simulated host, the same child path runs
+    `ray_train_tpu.testing.simulated_libtpu` instead. The answer, or the
+    failure, is kept for the Ray node: asked once per host, whatever the
+    attempts and workers that follow. The other workers report None.
     """
-    if "value" not in _COORDS:
-        if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
-            _COORDS["value"] = _simulated_coords(_environ.get(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS))
-        else:
-            from ray_train_tpu._compat import torch_tpu as compat_torch_tpu
+    import ray
 
-            found = compat_torch_tpu.local_chip_coords()
-            if found is None:
-                return None  # not cached: a later attempt may ask again
-            _COORDS["value"] = found
-    return _COORDS["value"]
-
-
-def _simulated_coords(raw: Optional[str]) -> Optional[tuple[int, int, int]]:
-    if raw is None:
+    ids = [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("TPU", [])]
+    topology = _host_topology()
+    if _ASKING_TPU_ID not in ids or topology is None or not topology.is_multi_host:
         return None
-    parts = raw.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(
-            f"{C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS}={raw!r} is not three non-negative integers "
-            "'x,y,z'; give simulated_tpu_cluster(host_coords={(slice_id, worker_id): (x, y, z)})"
+    record = host_coords_record(topology)
+    return None if record["coords"] is None else tuple(record["coords"])
+
+
+def host_coords_record(topology=None) -> Optional[dict]:
+    """This host's coordinate answer ({"coords", "error", "seconds"}): asked now
+    if `topology` is given and nobody asked on this Ray node yet; else None."""
+    import ray
+
+    if "record" in _HOST_COORDS:
+        return _HOST_COORDS["record"]
+    path = _record_path(ray.get_runtime_context().get_node_id())
+    try:
+        _HOST_COORDS["record"] = json.loads(path.read_text())
+        return _HOST_COORDS["record"]
+    except (OSError, ValueError):
+        if topology is None:
+            return None
+    from ray_train_tpu._compat import torch_tpu as compat_torch_tpu
+    from ray_train_tpu.launch_env import coords_query_env
+
+    simulated = _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
+    argv = [sys.executable, "-m", SIMULATED_LIBTPU_MODULE] if simulated else None
+    answer = compat_torch_tpu.query_chip_coords(coords_query_env(_environ.copy(), topology), argv=argv)
+    record = {"coords": None if answer.coords is None else list(answer.coords), "error": answer.error,
+              "seconds": answer.seconds}
+    if answer.error:
+        logger.warning(
+            "ray_train_tpu: host %s: no TPU chip coordinates after %.1f s (%s)%s; its slice keeps "
+            "TPU_WORKER_ID order unless every host has them. Not asked again on this host (Ray node %s).",
+            ray.util.get_node_ip_address(), answer.seconds, answer.error, " [SIMULATED]" if simulated else "",
+            path.stem,
         )
-    x, y, z = (int(p) for p in parts)
-    return (x, y, z)
+    _write_record(path, record)
+    _HOST_COORDS["record"] = record
+    return record
+
+
+def _record_path(node_id: str) -> Path:
+    return Path(tempfile.gettempdir(), "ray_train_tpu", "chip_coords", f"{node_id}.json")
+
+
+def _write_record(path: Path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(record))
+        partial.replace(path)  # whole or not at all: another worker may read it now
+    except OSError as e:  # only the cache is lost: this process keeps its answer
+        logger.warning("ray_train_tpu: could not keep this host's chip coordinates in %s: %s", path, e)
+
+
+def _host_topology():
+    """The host's slice from GKE's TPU_TOPOLOGY and TPU_ACCELERATOR_TYPE; None if unknown."""
+    from ray_train_tpu.topology import Topology, generation_of_pod_type
+
+    name, pod_type = _environ.get(C.TPU_TOPOLOGY), _environ.get(C.TPU_ACCELERATOR_TYPE)
+    try:
+        return Topology.parse(name, generation_of_pod_type(pod_type)) if name and pod_type else None
+    except ValueError:
+        return None
 
 
 def host_identity() -> tuple[Optional[str], Optional[str], Optional[tuple[int, int, int]]]:
     """Runs on a worker for Ray Train's worker sort (`_compat.ray_train.sort_tpu_workers`):
-    its host's TPU_NAME, TPU_WORKER_ID (as set, unparsed) and chip coordinates."""
-    return _environ.get(C.TPU_NAME), _environ.get(C.TPU_WORKER_ID), chip_coords()
+    its host's TPU_NAME, TPU_WORKER_ID (as set, unparsed) and, from the one
+    worker per host that asks, the host's chip coordinates (`host_chip_coords`)."""
+    return _environ.get(C.TPU_NAME), _environ.get(C.TPU_WORKER_ID), host_chip_coords()
 
 
 def _tpu_worker_id(node_ip: str):

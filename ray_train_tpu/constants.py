@@ -24,6 +24,36 @@ TPU_ACCELERATOR_TYPE = "TPU_ACCELERATOR_TYPE"
 TPU_TOPOLOGY = "TPU_TOPOLOGY"
 TPU_SKIP_MDS_QUERY = "TPU_SKIP_MDS_QUERY"
 
+# libtpu's view of the slice: the mesh of hosts (processes) and the chips of each.
+# GKE's TPU device plugin sets the host pair for the whole host; Ray 2.60 sets
+# one-chip values for a {"TPU": 1} worker; torch_tpu sets all four per process
+# at PJRT start (docs/environment.md says who wins and why).
+TPU_HOST_BOUNDS = "TPU_HOST_BOUNDS"
+TPU_CHIPS_PER_HOST_BOUNDS = "TPU_CHIPS_PER_HOST_BOUNDS"
+TPU_PROCESS_BOUNDS = "TPU_PROCESS_BOUNDS"
+TPU_CHIPS_PER_PROCESS_BOUNDS = "TPU_CHIPS_PER_PROCESS_BOUNDS"
+# Set by torch_tpu at PJRT start, from our variables (never by us): the device of
+# the process (it prefers TPU_VISIBLE_DEVICES to LOCAL_RANK), its task id and
+# address among the slice's processes, and libtpu's multi-process switch.
+TPU_VISIBLE_DEVICES = "TPU_VISIBLE_DEVICES"
+CLOUD_TPU_TASK_ID = "CLOUD_TPU_TASK_ID"
+TPU_PROCESS_ADDRESSES = "TPU_PROCESS_ADDRESSES"
+TPU_PROCESS_PORT = "TPU_PROCESS_PORT"
+ALLOW_MULTIPLE_LIBTPU_LOAD = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+MEGASCALE_DEBUG_PORT = "MEGASCALE_DEBUG_PORT"
+# More that GKE's TPU device plugin sets on every TPU container (read by libtpu
+# and its monitoring, not by us): duplicates without the TPU_ prefix, the
+# torus wrap-around, twisted topologies, metrics ports, the vBar service.
+HOST_BOUNDS = "HOST_BOUNDS"
+CHIPS_PER_HOST_BOUNDS = "CHIPS_PER_HOST_BOUNDS"
+TPU_TOPOLOGY_WRAP = "TPU_TOPOLOGY_WRAP"
+WRAP = "WRAP"
+TPU_TOPOLOGY_ALT = "TPU_TOPOLOGY_ALT"
+ALT = "ALT"
+TPU_RUNTIME_METRICS_PORTS = "TPU_RUNTIME_METRICS_PORTS"
+VBAR_CONTROL_SERVICE_URL = "VBAR_CONTROL_SERVICE_URL"
+ENABLE_ICI_RESILIENCY = "ENABLE_ICI_RESILIENCY"
+
 # torch_tpu launcher conventions (torch_tpu/_internal/distributed/distributed.py).
 TORCH_TPU_SLICEBUILDER_ADDRESSES = "TORCH_TPU_SLICEBUILDER_ADDRESSES"
 TORCH_TPU_TOPOLOGY = "TORCH_TPU_TOPOLOGY"
@@ -107,10 +137,12 @@ RAY_ADDRESS = "RAY_ADDRESS"
 # per-host libtpu lockfile path, and modules to report as missing.
 RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"
 RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES"
-# ... and the physical coordinates "x,y,z" of the host's first TPU chip, which a
-# real host reads from torch_tpu (`_compat.torch_tpu.local_chip_coords`).
+# ... and the simulated host's hardware: the physical coordinates "x,y,z" of each
+# of its chips, in chip-index order, separated by ";" (what libtpu learns from
+# the ICI wiring; `ray_train_tpu.testing.simulated_libtpu` answers from it).
 RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS = "RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS"
 
-# Seconds a worker waits for torch_tpu's chip-coordinate child process (PJRT
-# start-up takes seconds; torch_tpu's own launcher waits up to 300).
-DEFAULT_CHIP_COORDS_TIMEOUT_S = 120.0
+# Seconds a host waits for torch_tpu's chip-coordinate child process (a PJRT
+# start-up: seconds on a TPU host; torch_tpu's own launcher waits up to 300).
+# Asked once per host (Ray node); an answer or a failure is kept for the node.
+DEFAULT_CHIP_COORDS_TIMEOUT_S = 60.0

@@ -70,7 +70,8 @@ class WorkerReport:
     gpu_ids: tuple[int, ...] = ()
     mode: Mode = Mode.TPU
     preset: dict = dataclasses.field(default_factory=dict)  # our variables already set for it
-    # physical (X, Y, Z) of this worker's chip in the slice's mesh; None when unknown
+    # physical (X, Y, Z) of its host's first chip in the slice's mesh, from the one
+    # worker per host that asks torch_tpu (`_worker_fns.host_chip_coords`); None otherwise
     chip_coords: Optional[Coords] = None
 
     def info(self, index: int, node_tpus: float) -> "WorkerInfo":
@@ -112,7 +113,7 @@ class WorkerInfo:
     tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host
     tpu_ids: tuple[int, ...]  # Ray's TPU accelerator ids of this worker
     node_tpus: float  # TPU resources of the worker's host
-    chip_coords: Optional[Coords] = None  # physical (X, Y, Z) of its chip, None if unknown
+    chip_coords: Optional[Coords] = None  # physical (X, Y, Z) of its host's first chip, None if unknown
 
     def where(self) -> str:
         return (
@@ -163,8 +164,9 @@ def order_slice_hosts(slice_name: Optional[str], claims: Sequence[tuple[str, Opt
     """Order the hosts of one slice from what their workers report.
 
     `claims` holds one ``(host IP, TPU_WORKER_ID or None, chip coordinates or
-    None)`` per worker (several per host). When every worker reports chip
-    coordinates and they put every host in its own place, a host's position is
+    None)`` per worker (several per host; one worker per host asks torch_tpu,
+    `_worker_fns.host_chip_coords`, the others say None). When every host has
+    chip coordinates and they put every host in its own place, a host's position is
     its index among the slice's hosts sorted as torch_tpu's launcher sorts them
     (``_get_slice_host_coordinates``: chip // (2, 2, 1), ``key=lambda h: h[::-1]``,
     Z-major, Y, X-minor), and each host whose TPU_WORKER_ID is missing, repeated
@@ -188,7 +190,9 @@ def order_slice_hosts(slice_name: Optional[str], claims: Sequence[tuple[str, Opt
                          warnings=(warning,) if warning else (), note=note)
 
     keep = "; hosts stay in TPU_WORKER_ID order"
-    without = sorted(ip for ip, cs in hosts.items() if any(chip is None for _, chip in cs))
+    if len(hosts) == 1:
+        return by_worker_id()  # one host: nothing to order, nothing to say
+    without = sorted(ip for ip, cs in hosts.items() if all(chip is None for _, chip in cs))
     if len(without) == len(hosts):
         return by_worker_id(note=f"slice {slice_name}: no host reports TPU chip coordinates{keep}")
     if without:
@@ -196,7 +200,7 @@ def order_slice_hosts(slice_name: Optional[str], claims: Sequence[tuple[str, Opt
                             f"while the others do{keep}")
     grid: dict[str, Coords] = {}
     for ip, cs in hosts.items():
-        found = sorted({host_of_chip(chip) for _, chip in cs})
+        found = sorted({host_of_chip(chip) for _, chip in cs if chip is not None})
         if len(found) > 1:
             return by_worker_id(f"slice {slice_name}: the workers of host {ip} report chips of different "
                                 f"hosts {found}{keep}")
@@ -228,7 +232,7 @@ def _overruled(slice_name, hosts: dict, worker_ids: dict, positions: dict) -> li
             what = f"has TPU_WORKER_ID={worker_id}"
         else:
             continue
-        chip = hosts[ip][0][1]
+        chip = next(c for _, c in hosts[ip] if c is not None)
         out.append(f"host {ip} of slice {slice_name} {what}, but its chip coordinates {chip} put it at "
                    f"position {position} (torch_tpu's Z-major host order); it takes position {position} "
                    "(NODE_RANK in the slice)")

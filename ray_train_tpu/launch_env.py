@@ -18,6 +18,17 @@ Conventions are torch_tpu's own launcher's (``set_tpu_launch_env`` in
 - Unlike the launcher, a value the host already carries is replaced (`reconcile`):
   a Ray job's hosts may carry another slice's or job's values.
 
+libtpu's per-process view (`process_view_env`) is torch_tpu's: at PJRT start
+torch_tpu 0.2.0 (``InitializeDistributedEnvironment`` in its native library)
+overwrites ``TPU_VISIBLE_CHIPS`` with ``LOCAL_RANK``, ``TPU_HOST_BOUNDS`` and
+``TPU_PROCESS_BOUNDS`` with ``TORCH_TPU_TOPOLOGY``, and the chips per host and
+per process with one chip (``"1,1,1"``; ``"1,1,1,1"`` on v7x, one TensorCore).
+Ray 2.60 sets one-chip, single-host bounds for a ``{"TPU": 1}`` worker
+(``TPUAcceleratorManager.set_current_process_visible_accelerator_ids``) and
+GKE the whole host's; we set torch_tpu's values before anything runs, so that
+a process that reads them before PJRT starts sees the slice it is part of,
+not a one-chip slice (docs/environment.md).
+
 Across slices (``num_slices > 1``) ranks are slice-major; each slice keeps its
 own slice-builder addresses and worker hostnames (ICI stays inside a slice),
 ``NODE_RANK``/``NNODES`` count hosts across the job, and libtpu's MegaScale
@@ -54,11 +65,34 @@ ENV_KEYS: tuple[str, ...] = (
     C.MASTER_ADDR,
     C.MASTER_PORT,
     C.TPU_VISIBLE_CHIPS,
+    C.TPU_HOST_BOUNDS,
+    C.TPU_CHIPS_PER_HOST_BOUNDS,
+    C.TPU_PROCESS_BOUNDS,
+    C.TPU_CHIPS_PER_PROCESS_BOUNDS,
     C.TPU_WORKER_ID,
     C.TPU_WORKER_HOSTNAMES,
     C.TORCH_TPU_SLICEBUILDER_ADDRESSES,
     C.TORCH_TPU_TOPOLOGY,
     C.TORCH_TPU_XPROF_SESSION_ID,
+)
+# What the platform sets on every TPU worker by design and ours replace without
+# a warning (docs/environment.md): Ray's one-chip mask and bounds, GKE's whole-host
+# bounds, GKE's and KubeRay's worker id (`discovery.order_slice_hosts` names a host
+# whose id disagrees with its chips) and hostnames ("localhost" on one host, DNS
+# names on KubeRay, where ours are the hosts' addresses).
+PLATFORM_KEYS: tuple[str, ...] = (
+    C.TPU_VISIBLE_CHIPS,
+    C.TPU_HOST_BOUNDS,
+    C.TPU_CHIPS_PER_HOST_BOUNDS,
+    C.TPU_WORKER_ID,
+    C.TPU_WORKER_HOSTNAMES,
+)
+# Set per process by torch_tpu at PJRT start, or describing one process: a
+# child process that must see the whole host (`coords_query_env`) gets none of them.
+PROCESS_KEYS: tuple[str, ...] = (
+    C.RANK, C.WORLD_SIZE, C.LOCAL_RANK, C.LOCAL_WORLD_SIZE, C.TPU_VISIBLE_CHIPS, C.TPU_VISIBLE_DEVICES,
+    C.TPU_PROCESS_BOUNDS, C.TPU_CHIPS_PER_PROCESS_BOUNDS, C.CLOUD_TPU_TASK_ID, C.TPU_PROCESS_ADDRESSES,
+    C.TPU_PROCESS_PORT,
 )
 MEGASCALE_KEYS: tuple[str, ...] = (
     C.MEGASCALE_COORDINATOR_ADDRESS,
@@ -103,6 +137,59 @@ def worker_place(topology: Topology, rank: int, num_slices: int = 1) -> WorkerPl
         chip=chip,
         chip_coords=topology.chip_coords(worker_id, chip),
     )
+
+
+def process_view_env(topology: Topology, local_rank: int) -> dict[str, str]:
+    """libtpu's view for the process of device `local_rank` on its host, as
+    torch_tpu 0.2.0 sets it at PJRT start: the slice's mesh of one-chip processes.
+
+    Example:
+        >>> process_view_env(Topology.parse("2x2x2", "TPU-V4"), 5)["TPU_HOST_BOUNDS"]
+        '2,2,2'
+        >>> process_view_env(Topology.parse("2x2x1", "TPU-V7X"), 5)["TPU_CHIPS_PER_PROCESS_BOUNDS"]
+        '1,1,1,1'
+    """
+    one = "1,1,1,1" if topology.devices_per_chip > 1 else "1,1,1"
+    mesh = topology.torch_tpu_topology
+    return {
+        C.TPU_VISIBLE_CHIPS: str(local_rank),
+        C.TPU_HOST_BOUNDS: mesh,
+        C.TPU_CHIPS_PER_HOST_BOUNDS: one,
+        C.TPU_PROCESS_BOUNDS: mesh,
+        C.TPU_CHIPS_PER_PROCESS_BOUNDS: one,
+    }
+
+
+def host_view_env(topology: Topology) -> dict[str, str]:
+    """libtpu's view for one process that owns a whole host, as GKE's TPU
+    device plugin sets it: the slice's grid of hosts and the chips of one host.
+
+    Example:
+        >>> host_view_env(Topology.parse("2x2x4", "TPU-V4"))
+        {'TPU_HOST_BOUNDS': '1,1,4', 'TPU_CHIPS_PER_HOST_BOUNDS': '2,2,1'}
+    """
+    grid = (b // h for b, h in zip(topology.bounds, topology.host_bounds))
+    return {
+        C.TPU_HOST_BOUNDS: ",".join(str(g) for g in grid),
+        C.TPU_CHIPS_PER_HOST_BOUNDS: ",".join(str(h) for h in topology.host_bounds),
+    }
+
+
+def coords_query_env(worker_env: Mapping[str, str], topology: Topology) -> dict[str, str]:
+    """The environment of torch_tpu's chip-coordinate child, started by one
+    worker of a host for the whole host: the worker's, without what describes
+    one process (Ray's one-chip mask, a rank: torch_tpu would start a
+    multi-process client), with the whole host's view (`host_view_env`).
+
+    Example:
+        >>> env = coords_query_env({"TPU_VISIBLE_CHIPS": "2", "TPU_HOST_BOUNDS": "1,1,1", "PATH": "/bin"},
+        ...                        Topology.parse("2x2x2", "TPU-V4"))
+        >>> env == {"PATH": "/bin", "TPU_HOST_BOUNDS": "1,1,2", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
+        True
+    """
+    env = {k: v for k, v in worker_env.items() if k not in PROCESS_KEYS}
+    env.update(host_view_env(topology))
+    return env
 
 
 def rank_of(topology: Topology, *, slice_id: int, worker_id: int, local_rank: int) -> int:
@@ -179,7 +266,7 @@ class _JobShared:
             C.NNODES: str(t.num_hosts * self.num_slices),
             C.MASTER_ADDR: master_addr,
             C.MASTER_PORT: str(self.master_port),
-            C.TPU_VISIBLE_CHIPS: str(place.chip),
+            **process_view_env(t, place.local_rank),
             C.TPU_WORKER_ID: str(place.worker_id),
             C.TPU_WORKER_HOSTNAMES: shared.hostnames,
             C.TORCH_TPU_SLICEBUILDER_ADDRESSES: shared.addresses,
@@ -256,7 +343,7 @@ class EnvPlan:
 
     env: dict  # variables to set
     unset: tuple  # job variables the host carries that this job must not see
-    replaced: dict  # name -> (host's value, ours): a stale or foreign value
+    replaced: dict  # name -> (host's value, ours): a stale or foreign value (not `PLATFORM_KEYS`)
     overridden: dict  # name -> (extra_env's value, ours): the user's explicit override
 
 
@@ -277,7 +364,8 @@ def reconcile(computed: Mapping[str, str], preset: Mapping[str, str], extra: Map
         ({'MASTER_ADDR': '10.0.0.1'}, ('MEGASCALE_PORT',), {'MASTER_ADDR': ('old', '10.0.0.1')})
     """
     env = dict(computed)
-    replaced = {k: (preset[k], v) for k, v in computed.items() if k in preset and preset[k] != v}
+    replaced = {k: (preset[k], v) for k, v in computed.items()
+                if k in preset and preset[k] != v and k not in PLATFORM_KEYS}
     overridden = {}
     for key, value in extra.items():
         if key in fixed:

@@ -3,17 +3,19 @@
 - How many TPU chips this process can see, for diagnosis
   (``torch_tpu._internal.utils.hardware.get_tpu_device_count``).
 - The physical chip coordinates of this host's TPU device, which order the
-  hosts of a slice (`local_chip_coords`).
+  hosts of a slice (`query_chip_coords`, torch_tpu's own child process).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import subprocess
 import sys
-from typing import Optional
+import time
+from typing import Mapping, Optional, Sequence
 
 from ray_train_tpu import constants as C
 
@@ -39,49 +41,66 @@ def tpu_chip_count() -> Optional[int]:
         return None
 
 
-def _coords_argv() -> list[str]:
+def coords_argv() -> list[str]:
+    """torch_tpu's own coordinate child, as its ``_query_local_device_coords`` runs it."""
     return [sys.executable, "-m", COORDS_MODULE, COORDS_FLAG]
 
 
-def local_chip_coords(timeout_s: float = C.DEFAULT_CHIP_COORDS_TIMEOUT_S) -> Optional[tuple[int, int, int]]:
-    """Physical (X, Y, Z) coordinates, in the slice's ICI mesh, of the TPU chip
-    this process may use; None when there is no TPU or torch_tpu cannot tell.
+@dataclasses.dataclass(frozen=True)
+class CoordsAnswer:
+    """What one coordinate query found: the chip's (X, Y, Z), or why not."""
 
-    The call is torch_tpu's own: torch-tpu 0.2.0,
+    coords: Optional[tuple[int, int, int]]
+    error: Optional[str]  # None when `coords` were found
+    seconds: float  # wall time of the query
+
+
+def query_chip_coords(env: Mapping[str, str], timeout_s: float = C.DEFAULT_CHIP_COORDS_TIMEOUT_S,
+                      argv: Optional[Sequence[str]] = None) -> CoordsAnswer:
+    """Physical (X, Y, Z), in the slice's ICI mesh, of the first TPU device that
+    a process started with `env` sees, from torch_tpu's own query.
+
+    The call is torch_tpu's: torch-tpu 0.2.0,
     ``torch_tpu/_internal/distributed/distributed.py``, ``_query_local_device_coords``
     runs ``python -m torch_tpu._internal.distributed.distributed
-    --print_local_device_coords`` (``_print_local_device_coords``, which prints
-    ``torch_tpu._internal.distributed.tpu_distributed.local_device_coords()``
-    after ``TORCH_TPU_LOCAL_DEVICE_COORDS=``). We run the same child, because
-    the query initialises the PJRT client and claims the chips: done in this
-    process, the worker would hold them before its environment is complete.
-    Its launcher turns the coordinates into ``NODE_RANK`` (chip // (2, 2, 1),
-    hosts sorted Z-major); `ray_train_tpu.discovery.order_slice_hosts` does the same.
+    --print_local_device_coords`` (``_print_local_device_coords`` prints
+    ``tpu_distributed.local_device_coords()`` after ``TORCH_TPU_LOCAL_DEVICE_COORDS=``).
+    We run the same child (`argv`, default `coords_argv`), because the query
+    starts a PJRT client, which claims the chips it sees: in the calling
+    process, they would stay claimed. torch_tpu runs it once per host in its
+    launcher, which sees the whole host; what libtpu answers depends on the
+    `env` it starts with (`ray_train_tpu.launch_env.coords_query_env` gives
+    the whole host's view). Without a TPU on this host (torch_tpu's PCI scan
+    finds none) no child starts, unless `argv` names another program.
 
-    Untested on real TPUs (there are none where this was written): whether
-    libtpu reports slice-global coordinates in a Ray worker that sees one chip
-    (``TPU_VISIBLE_CHIPS``) is unverified. Coordinates that do not place every
-    host of a slice apart are refused by `order_slice_hosts`, which then keeps
-    the TPU worker id order and says so. The parsing and every fallback are
-    unit-tested with a fake child.
+    Never raises: a failure, a timeout or output without the coordinates is
+    an answer without coordinates that says why.
     """
-    count = tpu_chip_count()
-    if not count:
-        return None
-    env = dict(os.environ)
+    started = time.monotonic()
+
+    def answer(coords=None, error=None) -> CoordsAnswer:
+        return CoordsAnswer(coords=coords, error=error, seconds=time.monotonic() - started)
+
+    if argv is None:
+        if not tpu_chip_count():
+            return answer(error="torch_tpu finds no TPU chip on this host")
+        argv = coords_argv()
+    env = dict(env)
     # as torch_tpu does: the child finds the packages this process found
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     try:
-        done = subprocess.run(_coords_argv(), capture_output=True, check=True, env=env, text=True, timeout=timeout_s)
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("ray_train_tpu: could not query this host's TPU chip coordinates from torch_tpu: %s", e)
-        return None
+        done = subprocess.run(list(argv), capture_output=True, env=env, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return answer(error=f"torch_tpu's coordinate query timed out after {timeout_s:g} s")
+    except OSError as e:
+        return answer(error=f"torch_tpu's coordinate query could not start: {e}")
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip()[-500:]
+        return answer(error=f"torch_tpu's coordinate query exited with status {done.returncode}: {tail}")
     coords = parse_coords_output(done.stdout)
     if coords is None:
-        logger.warning(
-            "ray_train_tpu: torch_tpu's coordinate query printed no %s line: %r", COORDS_PREFIX, done.stdout[-500:]
-        )
-    return coords
+        return answer(error=f"torch_tpu's coordinate query printed no {COORDS_PREFIX} line: {done.stdout[-500:]!r}")
+    return answer(coords=coords)
 
 
 def parse_coords_output(stdout: str) -> Optional[tuple[int, int, int]]:

@@ -1,10 +1,16 @@
 """A simulated TPU slice: a real multi-raylet Ray cluster on one machine.
 
 One raylet per TPU host, each on its own loopback address, carrying the TPU
-resources, node labels and host environment that a GKE TPU node has
-(``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``),
-so Ray's real TPU scheduling (``SlicePlacementGroup``, head resources, labels)
-runs unchanged. Simulation is explicit: every process of the cluster carries
+resources, node labels and host environment that a KubeRay worker pod on a GKE
+TPU node has (`gke_device_plugin_env`: ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``,
+``TPU_HOST_BOUNDS``, ``TPU_CHIPS_PER_HOST_BOUNDS`` and the rest; KubeRay's
+webhook: ``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``), so Ray's
+real TPU scheduling (``SlicePlacementGroup``, head resources, labels) runs
+unchanged and Ray's own code gives each ``{"TPU": 1}`` worker its one-chip
+``TPU_VISIBLE_CHIPS`` and bounds from them. Each host also carries its chips'
+physical coordinates (`chip_layout`), from which
+`ray_train_tpu.testing.simulated_libtpu` answers torch_tpu's coordinate query
+as libtpu would for the environment it runs with. Simulation is explicit: every process of the cluster carries
 ``RAY_TRAIN_TPU_SIMULATE=1``, which is what lets the backend use CPU tensors
 and gloo. Every process also carries ``TPU_SKIP_MDS_QUERY=1`` and
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so libtpu never looks for a cloud metadata
@@ -69,7 +75,9 @@ class SimulatedTPUCluster:
         return [slice_name(s) for s in range(self.num_slices)]
 
     def host_env(self, key: HostKey) -> dict[str, str]:
-        return _host_env(self.topology, *key)
+        """The variables host `key` was started with (its raylet's, so its workers'),
+        fault-injection overrides included; the defaults if it never started."""
+        return dict(self._envs.get(tuple(key)) or _host_env(self.topology, *key))
 
     def remove_host(self, slice_id: int, worker_id: int) -> None:
         """Take a host away, as a preempted or failed TPU VM (for fault tests)."""
@@ -106,25 +114,86 @@ class SimulatedTPUCluster:
         """
         key = (slice_id, worker_id)
         extra = {C.RAY_TRAIN_TPU_SIMULATE_STALL_S: str(stall_s)} if stall_s else None
-        self._nodes[key] = _add_host(
+        self._nodes[key], self._envs[key] = _add_host(
             self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
             env=env, labels=labels, resources=resources,
         )
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
+    _envs: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
+    """What a GKE TPU node's Ray worker pod carries (docs/environment.md), plus
+    the simulated hardware: GKE's TPU device plugin (``InitEnvs``), KubeRay's TPU
+    webhook (``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``; here the
+    hosts' addresses, as DNS names would resolve) and the physical coordinates
+    of the host's chips (`chip_layout`)."""
+    hosts = topology.num_hosts
     env = {
         C.TPU_NAME: slice_name(slice_id),
         C.TPU_WORKER_ID: str(worker_id),
-        C.TPU_ACCELERATOR_TYPE: topology.pod_type,
-        C.TPU_TOPOLOGY: topology.name,
+        C.TPU_WORKER_HOSTNAMES: ",".join(host_ip(slice_id, w) for w in range(hosts)) if hosts > 1 else "localhost",
+        **gke_device_plugin_env(topology),
+        C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS: format_chip_layout(chip_layout(topology, worker_id)),
     }
     if topology.devices_per_chip > 1:
         env[C.RAY_TPU_RESOURCE_PER_CHIP] = str(topology.devices_per_chip)
     return env
+
+
+def gke_device_plugin_env(topology: Topology) -> dict[str, str]:
+    """The variables GKE's TPU device plugin gives a container that requests all
+    chips of a host of `topology` (its ``InitEnvs``: accelerator type in GKE's
+    spelling, e.g. ``tpu7x-8``; host bounds = mesh / chips per host; torus wrap
+    on 3-D slices of 4x4x4 and up, and on v5e/v6e sides of 16).
+
+    Example:
+        >>> env = gke_device_plugin_env(Topology.parse("2x2x2", "TPU-V4"))
+        >>> env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_ACCELERATOR_TYPE"]
+        ('1,1,2', '2,2,1', 'v4-16')
+    """
+    gen = topology.generation
+    prefix = "tpu7x" if gen.accelerator_type == "TPU-V7X" else gen.pod_prefix
+    mesh = topology.bounds
+    if gen.num_dims == 3:
+        wrap = ["true" if all(d >= 4 for d in mesh) else "false"] * 3
+    else:
+        wrap = ["true" if d == 16 else "false" for d in mesh]
+    host_bounds = ",".join(str(m // h) for m, h in zip(mesh, topology.host_bounds))
+    chips = ",".join(str(h) for h in topology.host_bounds)
+    env = {
+        C.TPU_SKIP_MDS_QUERY: "true",
+        C.TPU_RUNTIME_METRICS_PORTS: ",".join(str(8431 + i) for i in range(topology.chips_per_host)),
+        C.TPU_TOPOLOGY: topology.name,
+        C.TPU_ACCELERATOR_TYPE: f"{prefix}-{topology.num_chips * gen.cores_per_chip}",
+        C.TPU_TOPOLOGY_ALT: "false", C.ALT: "false",
+        C.TPU_TOPOLOGY_WRAP: ",".join(wrap), C.WRAP: ",".join(wrap),
+        C.TPU_HOST_BOUNDS: host_bounds, C.HOST_BOUNDS: host_bounds,
+        C.TPU_CHIPS_PER_HOST_BOUNDS: chips, C.CHIPS_PER_HOST_BOUNDS: chips,
+    }
+    if gen.num_dims == 3 and all(d >= 4 for d in mesh):
+        env[C.ENABLE_ICI_RESILIENCY] = "true"
+    return env
+
+
+def chip_layout(topology: Topology, position: int, first: Optional[Sequence[int]] = None) -> list[tuple[int, int, int]]:
+    """Physical coordinates of the chips of the host at `position` of the mesh
+    (or whose first chip is at `first`), in chip-index order (X-minor).
+
+    Example:
+        >>> chip_layout(Topology.parse("2x2x2", "TPU-V4"), 1)
+        [(0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    """
+    own = [topology.chip_coords(position, i) for i in range(topology.chips_per_host)]
+    if first is None:
+        return own
+    return [tuple(f + c - o for f, c, o in zip(first, chip, own[0])) for chip in own]
+
+
+def format_chip_layout(chips: Sequence[Sequence[int]]) -> str:
+    return ";".join(",".join(str(v) for v in chip) for chip in chips)
 
 
 def _overlay(base: Mapping, overrides: Optional[Mapping]) -> dict:
@@ -159,21 +228,23 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     saved = _environ.snapshot(list(env) + removed)
     _environ.update(env)
     _environ.unset(removed)
+    env_vars = {**SIMULATION_ENV, **env, **(extra_env or {})}
     try:
-        return cluster.add_node(
+        node = cluster.add_node(
             node_ip_address=host_ip(slice_id, worker_id),
             num_cpus=cpus,
             resources=_overlay(node_resources, resources),
             labels=_overlay(node_labels, labels),
-            env_vars={**SIMULATION_ENV, **env, **(extra_env or {})},
+            env_vars=env_vars,
             object_store_memory=_OBJECT_STORE_BYTES,
         )
+        return node, env_vars
     finally:
         _environ.unset(k for k in env if k not in saved)
         _environ.update(saved)
 
 
-def _coords_env(key, coords, keys) -> dict[str, str]:
+def _coords_env(topology: Topology, key, coords, keys) -> dict[str, str]:
     if tuple(key) not in keys:
         raise ValueError(f"host_coords key {key!r} is not a (slice id, worker id) of a started host")
     values = list(coords) if isinstance(coords, (list, tuple)) else None
@@ -183,7 +254,7 @@ def _coords_env(key, coords, keys) -> dict[str, str]:
             f"host_coords[{tuple(key)!r}] = {coords!r} must be the chip coordinates (x, y, z) of the "
             "host's first chip: three non-negative integers, e.g. (0, 0, 2)"
         )
-    return {C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS: ",".join(str(v) for v in values)}
+    return {C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS: format_chip_layout(chip_layout(topology, key[1], values))}
 
 
 def _registration_order(topology: Topology, num_slices: int, host_order, missing) -> list[HostKey]:
@@ -231,11 +302,12 @@ def simulated_tpu_cluster(
             hosts, by ``(slice id, worker id)``: fault injection, e.g. the
             ``RAY_TRAIN_TPU_SIMULATE_*`` knobs of `ray_train_tpu.doctor`.
         host_coords: physical chip coordinates ``(x, y, z)`` of the first chip
-            of some hosts, by ``(slice id, worker id)``, as a real host reads
-            them from torch_tpu. Give every host of a slice coordinates and they
-            order its hosts (torch_tpu's Z-major order), whatever their
-            ``TPU_WORKER_ID`` (which `host_env` may shuffle or repeat); without
-            them, hosts keep TPU worker id order.
+            of some hosts, by ``(slice id, worker id)`` (the other chips of the
+            host follow it, X-minor). By default every host's chips sit where
+            its worker id puts them in the mesh. Each host's libtpu reports them
+            (`ray_train_tpu.testing.simulated_libtpu`) to torch_tpu's coordinate
+            query, which orders a multi-host slice (torch_tpu's Z-major order)
+            whatever its ``TPU_WORKER_ID`` (which `host_env` may shuffle or repeat).
         cpus_per_host: logical CPUs per host; default chips + 1, because each of
             Ray Train's TPU bundles also asks for one CPU.
         connect: ``ray.init`` the driver to the cluster (default True).
@@ -258,7 +330,7 @@ def simulated_tpu_cluster(
         if key not in keys:
             raise ValueError(f"host_env key {key!r} is not a (slice id, worker id) of a started host")
     for key, coords in (host_coords or {}).items():
-        host_env[tuple(key)] = {**host_env.get(tuple(key), {}), **_coords_env(key, coords, keys)}
+        host_env[tuple(key)] = {**host_env.get(tuple(key), {}), **_coords_env(topo, key, coords, keys)}
     cpus = cpus_per_host if cpus_per_host is not None else topo.devices_per_host + 1
     driver_env = dict(SIMULATION_ENV)
     if topo.devices_per_chip > 1:

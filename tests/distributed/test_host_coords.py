@@ -1,12 +1,15 @@
 """Rank order from physical chip coordinates on a simulated v4 2x2x4 slice
-(4 hosts x 4 chips, hosts stacked along Z).
+(4 hosts x 4 chips, hosts stacked along Z), and every worker's whole environment.
 
 The hosts' TPU_WORKER_IDs are shuffled and one is repeated (as GKE has handed
-them out: Ray#66029, ai-on-gke#858); every host reports the chip coordinates of
-its first chip. Ranks, NODE_RANK, TPU_WORKER_HOSTNAMES and the slice-builder
+them out: Ray#66029, ai-on-gke#858); each host's libtpu (simulated) reports its
+chips' physical coordinates to torch_tpu's query, run once per host with the
+whole host's view. Ranks, NODE_RANK, TPU_WORKER_HOSTNAMES and the slice-builder
 addresses must follow the coordinates (torch_tpu's Z-major host order), in Ray
 Train and over plain actors, and the backend must name every host whose id it
-overrules.
+overrules. Every worker's environment when the loop starts must be the
+statement of `ray_train_tpu.testing.worker_env` (docs/environment.md), and
+before our backend runs, what Ray 2.60's own code made of the host's.
 """
 
 import json
@@ -21,6 +24,7 @@ from ray.train.torch import TorchTrainer
 from ray_train_tpu import TPUScalingConfig, TPUTorchConfig, setup_process_group, shutdown_process_group
 from ray_train_tpu.launch_env import ENV_KEYS, launch_envs
 from ray_train_tpu.testing import simulated_tpu_cluster
+from ray_train_tpu.testing.worker_env import in_scope, statement, torch_tpu_sets
 from ray_train_tpu.topology import Topology
 
 pytestmark = pytest.mark.distributed
@@ -51,7 +55,8 @@ def _probe(config):
     dist.all_reduce(total)
     record = {"world_rank": ctx.get_world_rank(), "node_rank": ctx.get_node_rank(), "local_rank": ctx.get_local_rank(),
               "node_ip": ray.util.get_node_ip_address(), "sum": total.item(),
-              "env": {k: os.environ.get(k) for k in ENV_KEYS}}
+              "env": {k: os.environ.get(k) for k in ENV_KEYS},
+              "scope": {k: v for k, v in os.environ.items() if in_scope(k)}}
     Path(config["out"], f"{ctx.get_world_rank()}.json").write_text(json.dumps(record))
 
 
@@ -107,8 +112,39 @@ def test_the_backend_names_every_overruled_host(sim, probe):
         assert f"TPU_WORKER_ID={WORKER_IDS[key]}" in named[0] and f"put it at position {position} " in named[0]
 
 
+def _host_key(sim, ip):
+    return next(k for k, h in sim.hosts.items() if h == ip)
+
+
+def test_every_worker_env_is_the_statement(sim, probe):
+    """The whole environment when the loop starts (torch_tpu would start here):
+    nothing missing, nothing extra, every value as stated; and what torch_tpu
+    sets at PJRT start from it agrees with it and forms one slice."""
+    t = Topology.parse(TOPOLOGY, ACCEL)
+    hosts = _expected_hosts(sim)
+    env0 = probe[0]["scope"]
+    tasks = set()
+    for r in probe:
+        stated = statement(t, hosts, rank=r["world_rank"], master_port=int(env0["MASTER_PORT"]),
+                           session=env0["TORCH_TPU_XPROF_SESSION_ID"], host_env=sim.host_env(_host_key(sim, r["node_ip"])),
+                           simulated=True)
+        expected = {k: v.value for k, v in stated.items() if v.value is not None}
+        assert r["scope"] == expected, (r["world_rank"], set(r["scope"].items()) ^ set(expected.items()))
+        derived = torch_tpu_sets(r["scope"])
+        assert all(derived[k] == r["scope"][k] for k in derived if k in r["scope"])  # no flip at PJRT start
+        own = derived["TPU_PROCESS_ADDRESSES"].split(",")[int(derived["CLOUD_TPU_TASK_ID"])]
+        assert own == f"{r['node_ip']}:{derived['TPU_PROCESS_PORT']}"
+        tasks.add(derived["CLOUD_TPU_TASK_ID"])
+    assert tasks == {str(i) for i in range(16)}
+
+
 @ray.remote(resources={"TPU": 1}, num_cpus=0)
 class _Actor:
+    def ray_env(self):
+        """What the worker has before our backend: the host's, and what Ray 2.60 set."""
+        ids = ray.get_runtime_context().get_accelerator_ids()["TPU"]
+        return ids, ray.util.get_node_ip_address(), {k: v for k, v in os.environ.items() if in_scope(k)}
+
     def all_reduce(self):
         import torch
         import torch.distributed as dist
@@ -123,6 +159,16 @@ class _Actor:
 def test_plain_actors_follow_the_same_order(sim, probe):
     actors = [_Actor.remote() for _ in range(16)]
     try:
+        for ids, ip, env in ray.get([a.ray_env.remote() for a in actors]):
+            # Ray 2.60's own TPUAcceleratorManager on the host's GKE variables: one chip, one host
+            host = sim.host_env(_host_key(sim, ip))
+            assert (env["TPU_VISIBLE_CHIPS"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == \
+                (ids[0], "1,1,1", "1,1,1"), (ids, env)
+            assert host["TPU_HOST_BOUNDS"] == "1,1,4" and host["TPU_CHIPS_PER_HOST_BOUNDS"] == "2,2,1"
+            changed = {k for k in env if env[k] != host.get(k)} - {"TPU_VISIBLE_CHIPS", "TPU_HOST_BOUNDS",
+                                                                   "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_SKIP_MDS_QUERY"}
+            assert changed == set(), changed  # the rest is the host's
+            assert host["TPU_SKIP_MDS_QUERY"] == "true" and env["TPU_SKIP_MDS_QUERY"] == "1"  # GKE's; the job's
         ordered = setup_process_group(actors)
         results = ray.get([a.all_reduce.remote() for a in ordered])
         assert [r[1] for r in results] == list(range(16))

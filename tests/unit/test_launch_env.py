@@ -36,6 +36,10 @@ def test_v4_2x2x2_matches_torch_tpu_example():
         "MASTER_ADDR": "h0",
         "MASTER_PORT": "29500",
         "TPU_VISIBLE_CHIPS": "1",
+        "TPU_HOST_BOUNDS": "2,2,2",  # torch_tpu's per-process view: a mesh of one-chip processes
+        "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": "2,2,2",
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
         "TPU_WORKER_ID": "1",
         "TPU_WORKER_HOSTNAMES": "h0,h1",
         "TORCH_TPU_SLICEBUILDER_ADDRESSES": "h0:8070,h0:8071,h0:8072,h0:8073,h1:8070,h1:8071,h1:8072,h1:8073",
@@ -70,7 +74,11 @@ def test_v7x_local_rank_is_a_core_and_chip_is_shared():
     assert len(envs) == 16
     place, env = envs[11]
     assert (place.worker_id, place.local_rank, place.chip) == (1, 3, 1)
-    assert env["TPU_VISIBLE_CHIPS"] == "1" and env["LOCAL_WORLD_SIZE"] == "8"
+    # torch_tpu masks one device per process: TPU_VISIBLE_CHIPS is the TensorCore (LOCAL_RANK),
+    # not Ray's physical chip (1), and a process holds one core of a chip
+    assert env["TPU_VISIBLE_CHIPS"] == "3" and env["LOCAL_WORLD_SIZE"] == "8"
+    assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == env["TPU_CHIPS_PER_HOST_BOUNDS"] == "1,1,1,1"
+    assert env["TPU_PROCESS_BOUNDS"] == env["TPU_HOST_BOUNDS"] == "2,2,2,2"
     assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[11] == "b:8073"
     assert env["TORCH_TPU_TOPOLOGY"] == "2,2,2,2"
 
@@ -199,3 +207,69 @@ def test_build_plan_shape():
     assert (w["slice_id"], w["worker_id"], w["local_rank"], w["node_rank"]) == (1, 1, 1, 5)
     assert w["host"] == placeholder_hosts(t, 2)[5] == worker_env(plan, 21)["TPU_WORKER_HOSTNAMES"].split(",")[1]
     assert w["chip_coords"] == [3, 0, 0]
+
+
+# --- libtpu's views and the worker-environment statement (issue 25) ---------------------------
+
+from ray_train_tpu.launch_env import coords_query_env, host_view_env, process_view_env  # noqa: E402
+from ray_train_tpu.testing.worker_env import OURS, statement  # noqa: E402
+
+JOBS = [("2x2x2", "TPU-V4", 1), ("4x4", "TPU-V6E", 1), ("2x4", "TPU-V6E", 1), ("2x2x4", "TPU-V5P", 1),
+        ("2x2x1", "TPU-V7X", 1), ("2x2x2", "TPU-V7X", 1), ("2x2x2", "TPU-V4", 2), ("2x2x1", "TPU-V4", 3)]
+
+
+@pytest.mark.parametrize("name, accel, num_slices", JOBS)
+def test_launch_env_is_the_statement_for_every_rank(name, accel, num_slices):
+    """launch_env sets exactly the variables the statement says we set, with its
+    values (written from the upstream conventions, not from launch_env)."""
+    t = Topology.parse(name, accel)
+    hosts = _hosts(t, num_slices)
+    for place, env in launch_envs(t, hosts, num_slices=num_slices, xprof_session_id="7", master_port=1234):
+        stated = statement(t, hosts, rank=place.rank, master_port=1234, session="7", host_env={},
+                           num_slices=num_slices)
+        ours = {k: v.value for k, v in stated.items() if v.set_by.startswith(OURS) and v.value is not None}
+        assert env == ours, (place.rank, set(env.items()) ^ set(ours.items()))
+
+
+@pytest.mark.parametrize("name, accel", [(n, a) for n, a, _ in JOBS])
+def test_host_view_is_rays_and_gkes_host(name, accel):
+    """The whole-host view (for the coordinate query): as many hosts as Ray's
+    worker grid, as many chips per host as Ray's table (ray._private.accelerators.tpu)."""
+    from ray._private.accelerators.tpu import _get_worker_dims_for_topology, get_chips_per_host
+
+    t = Topology.parse(name, accel)
+    view = host_view_env(t)
+    grid = [int(x) for x in view["TPU_HOST_BOUNDS"].split(",")]
+    chips = [int(x) for x in view["TPU_CHIPS_PER_HOST_BOUNDS"].split(",")]
+    assert chips[0] * chips[1] * chips[2] == t.chips_per_host == get_chips_per_host(t.name, t.generation.pod_prefix)
+    if t.chips_per_host == 4:  # Ray's worker grid assumes 4-chip hosts (v6e 2x4 is one 8-chip host)
+        workers = 1
+        for d in _get_worker_dims_for_topology(t.name):
+            workers *= d
+        assert grid[0] * grid[1] * grid[2] == t.num_hosts == workers
+    assert [g * c for g, c in zip(grid, chips)] == list(t.bounds)
+
+
+def test_process_view_is_one_device_per_process():
+    t = Topology.parse("2x2x2", "TPU-V7X")
+    assert process_view_env(t, 7) == {"TPU_VISIBLE_CHIPS": "7", "TPU_HOST_BOUNDS": "2,2,2,2",
+                                      "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1,1", "TPU_PROCESS_BOUNDS": "2,2,2,2",
+                                      "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1,1"}
+
+
+def test_the_coordinate_query_env_describes_the_host_not_the_process():
+    t = Topology.parse("4x4", "TPU-V6E")
+    worker = launch_env(t, _hosts(t), rank=6, xprof_session_id="1")
+    env = coords_query_env({**worker, "TPU_VISIBLE_DEVICES": "2", "CLOUD_TPU_TASK_ID": "6", "PATH": "/bin"}, t)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES",
+                "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "CLOUD_TPU_TASK_ID"):
+        assert key not in env, key  # torch_tpu would start a multi-process client, libtpu a one-chip one
+    assert (env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("2,2,1", "2,2,1")
+    assert env["PATH"] == "/bin" and env["TPU_WORKER_HOSTNAMES"] == worker["TPU_WORKER_HOSTNAMES"]
+
+
+def test_the_platforms_values_are_replaced_without_a_warning():
+    computed = {"TPU_HOST_BOUNDS": "2,2,2", "TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2", "MASTER_PORT": "29500"}
+    preset = {"TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "w-0.svc,w-1.svc", "MASTER_PORT": "1"}
+    plan = reconcile(computed, preset, {})
+    assert plan.env == computed and set(plan.replaced) == {"MASTER_PORT"}  # Ray's and GKE's: by design
