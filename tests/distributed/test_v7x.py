@@ -32,10 +32,24 @@ def _loop(config):
     import torch
     import torch.distributed as dist
 
+    import ray_train_tpu
+
     ctx = ray.train.get_context()
-    total = torch.tensor([float(dist.get_rank() + 1)])
+    device = ray_train_tpu.get_device()
+    total = torch.tensor([float(dist.get_rank() + 1)], device=device)
     dist.all_reduce(total)
+    torch.manual_seed(0)
+    model = ray_train_tpu.prepare_model(torch.nn.Linear(4, 1))  # DDP over the 8 TensorCores
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = model(torch.randn(8, 4).to(device) * (dist.get_rank() + 1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    weights = [torch.zeros_like(model.module.weight) for _ in range(dist.get_world_size())]
+    dist.all_gather(weights, model.module.weight.detach())
     record = {"rank": ctx.get_world_rank(), "ip": ray.util.get_node_ip_address(), "sum": total.item(),
+              "replicas_equal": all(torch.equal(w, weights[0]) for w in weights), "device": str(device),
               "tpu_ids": ray.get_runtime_context().get_accelerator_ids()["TPU"],
               "scope": {k: v for k, v in os.environ.items() if in_scope(k)}}
     Path(config["out"], f"{ctx.get_world_rank()}.json").write_text(json.dumps(record))
@@ -62,6 +76,7 @@ def test_two_workers_per_chip_one_per_tensorcore(sim, fit):
     for r in fit:
         assert len(r["tpu_ids"]) == 1 and int(r["scope"]["LOCAL_RANK"]) == int(r["tpu_ids"][0]) == r["rank"]
         assert r["sum"] == sum(range(1, 9))  # the all_reduce over all 8
+        assert r["replicas_equal"] and r["device"] == "tpu"  # DDP trained on the simulated device
 
 
 def test_every_worker_env_is_the_statement(sim, fit):
