@@ -507,6 +507,23 @@ def _copy_from_and_resize(src, dst):
     return dst
 
 
+def _route_accelerator_streams() -> None:
+    """``torch.accelerator.current_stream()`` asks the device guard for a stream, and
+    a guard written in Python (torch 2.13) answers with no valid device (FSDP2's
+    ``finalize_backward`` calls it when a frozen parameter left an unshard
+    pending: "Unknown device: -128"). For this device it is the device module's
+    one stream, as ``torch.tpu.current_stream()`` is."""
+    original = torch.accelerator.current_stream
+
+    def current_stream(device=None, /):
+        if device is None or isinstance(device, int) or torch.device(device).type == DEVICE_TYPE:
+            return _DeviceModule.current_stream()
+        return original(device)
+
+    current_stream.__wrapped__ = original
+    torch.accelerator.current_stream = current_stream
+
+
 def install() -> torch.device:
     """Register the simulated ``tpu`` device in this process (idempotent) and
     return ``torch.device("tpu")``, as Ray's TPU device manager gives it. Refuses when PrivateUse1 already belongs to another backend
@@ -534,6 +551,7 @@ def install() -> torch.device:
         import torch.distributed as dist
 
         dist.Backend.register_backend(TPU_DIST, _create_tpu_dist_group, devices=[DEVICE_TYPE])
+        _route_accelerator_streams()
         DEVICE = torch.device(DEVICE_TYPE, 0)
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0
         _installed.update(library=library, device=torch.device(DEVICE_TYPE))

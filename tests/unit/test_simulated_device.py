@@ -176,6 +176,7 @@ def _collectives(rank, world):
     dist.all_gather(gathered, torch.tensor([float(rank)], device=device))
     objects = [None] * world
     dist.all_gather_object(objects, "x" * (10 + 7 * rank))  # unequal sizes: resize_ on a device tensor
+    _fsdp2_with_a_frozen_layer(device)
     model = torch.nn.Linear(2, 2).to(device)
     twin = copy.deepcopy(model)
     errors = []
@@ -188,6 +189,21 @@ def _collectives(rank, world):
     return (dist.get_backend(), t.device.type, t.cpu().tolist(), [g.item() for g in gathered],
             [len(o) for o in objects], twin.weight.device.type, torch.equal(twin.weight.cpu(), model.weight.cpu()),
             isinstance(twin.weight, torch.nn.Parameter), errors)
+
+
+def _fsdp2_with_a_frozen_layer(device):
+    """A frozen parameter leaves FSDP2 an unshard to finish in finalize_backward,
+    which waits on torch.accelerator.current_stream() (the notebook's case)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(device)
+    model[0].weight.requires_grad_(False)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    for _ in range(2):
+        model(torch.tensor([[1, 2, 3]], device=device)).sum().backward()
 
 
 def test_collectives_on_device_tensors_run_over_gloo_as_tpu_dist():
