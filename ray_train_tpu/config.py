@@ -85,7 +85,8 @@ class TPUTorchConfig(TorchConfig):
             V.check_seconds("TPUTorchConfig", field, getattr(self, field))
         # Slice-builder and MegaScale ports count up from the base, one per device of a host.
         V.check_port("TPUTorchConfig", "base_port", self.base_port, span=MAX_DEVICES_PER_HOST)
-        V.check_port("TPUTorchConfig", "megascale_port", self.megascale_port, span=MAX_DEVICES_PER_HOST)
+        V.check_port("TPUTorchConfig", "megascale_port", self.megascale_port,
+                     span=C.MEGASCALE_PORTS_PER_DEVICE * MAX_DEVICES_PER_HOST)
         if self.master_port is not None:
             V.check_port("TPUTorchConfig", "master_port", self.master_port)
         self.extra_env = V.check_env("TPUTorchConfig", "extra_env", self.extra_env)

@@ -94,7 +94,14 @@ SIMULATED_DEVICE_KINDS = ("tpu", "host")
 # Defaults, as torch_tpu's launcher and Ray use them.
 DEFAULT_TORCH_TPU_BASE_PORT = 8070
 DEFAULT_MASTER_PORT = 29500
-DEFAULT_MEGASCALE_PORT = 8081
+# MegaScale (multi-slice) ports are torch_tpu's: at PJRT start it sets every
+# process's MEGASCALE_PORT = 8080 + 2 * LOCAL_RANK and MEGASCALE_DEBUG_PORT =
+# 8081 + 2 * LOCAL_RANK, whatever was set, and its multi-slice error names
+# "<MASTER_ADDR>:8080" as the coordinator (rank 0's port). Ray's JAX convention
+# (coordinator :8081, 8081 + LOCAL_RANK) would put the coordinator on local rank
+# 0's debug port. docs/environment.md.
+DEFAULT_MEGASCALE_PORT = 8080
+MEGASCALE_PORTS_PER_DEVICE = 2  # a MegaScale port and a debug port per process
 
 # Pinned upstream versions: what the `_compat` seams were written and tested
 # against, and what generated manifests name.

@@ -34,8 +34,9 @@ own slice-builder addresses and worker hostnames (ICI stays inside a slice),
 ``NODE_RANK``/``NNODES`` count hosts across the job, and libtpu's MegaScale
 variables connect the slices over DCN the way Ray sets them
 (``ray.util.tpu.get_tpu_coordinator_env_vars``): the coordinator is
-``MASTER_ADDR:MEGASCALE_PORT`` and each process listens on
-``MEGASCALE_PORT + LOCAL_RANK``.
+``MASTER_ADDR:MEGASCALE_PORT`` (8080) and each process listens on
+``MEGASCALE_PORT + 2 * LOCAL_RANK`` with its debug port next to it, the values
+torch_tpu itself sets at PJRT start (`constants.DEFAULT_MEGASCALE_PORT`).
 
 Example:
     >>> from ray_train_tpu.topology import Topology
@@ -99,6 +100,7 @@ MEGASCALE_KEYS: tuple[str, ...] = (
     C.MEGASCALE_NUM_SLICES,
     C.MEGASCALE_SLICE_ID,
     C.MEGASCALE_PORT,
+    C.MEGASCALE_DEBUG_PORT,
 )
 
 
@@ -233,7 +235,8 @@ class _JobShared:
         self.hosts = check_hosts(topology, hosts, num_slices)
         self.base_port = V.check_port("", "base_port", base_port, span=topology.devices_per_host)
         self.master_port = V.check_port("", "master_port", master_port)
-        self.megascale_port = V.check_port("", "megascale_port", megascale_port, span=topology.devices_per_host)
+        self.megascale_port = V.check_port("", "megascale_port", megascale_port,
+                                           span=C.MEGASCALE_PORTS_PER_DEVICE * topology.devices_per_host)
         if not isinstance(xprof_session_id, str) or not xprof_session_id:
             raise ValueError(
                 f"xprof_session_id must be a non-empty string shared by all ranks, "
@@ -277,7 +280,9 @@ class _JobShared:
             env[C.MEGASCALE_COORDINATOR_ADDRESS] = f"{master_addr}:{self.megascale_port}"
             env[C.MEGASCALE_NUM_SLICES] = str(self.num_slices)
             env[C.MEGASCALE_SLICE_ID] = str(place.slice_id)
-            env[C.MEGASCALE_PORT] = str(self.megascale_port + place.local_rank)
+            port = self.megascale_port + C.MEGASCALE_PORTS_PER_DEVICE * place.local_rank
+            env[C.MEGASCALE_PORT] = str(port)
+            env[C.MEGASCALE_DEBUG_PORT] = str(port + 1)
         return env
 
 

@@ -102,10 +102,11 @@ def statement(topology: Topology, hosts: Sequence[str], *, rank: int, master_por
         put(name, value, f"{OURS} over {RAY} and {HOST}", "libtpu")
     for name, value in ((C.MEGASCALE_COORDINATOR_ADDRESS, f"{hosts[0]}:{megascale_port}"),
                         (C.MEGASCALE_NUM_SLICES, num_slices), (C.MEGASCALE_SLICE_ID, slice_id),
-                        (C.MEGASCALE_PORT, megascale_port + local)):
+                        (C.MEGASCALE_PORT, megascale_port + 2 * local),
+                        (C.MEGASCALE_DEBUG_PORT, megascale_port + 1 + 2 * local)):
         put(name, value if num_slices > 1 else None, OURS, "libtpu (multi-slice only)")
     for name in (C.TPU_VISIBLE_DEVICES, C.CLOUD_TPU_TASK_ID, C.TPU_PROCESS_ADDRESSES, C.TPU_PROCESS_PORT,
-                 C.ALLOW_MULTIPLE_LIBTPU_LOAD, C.MEGASCALE_DEBUG_PORT, C.JOB_COMPLETION_INDEX):
+                 C.ALLOW_MULTIPLE_LIBTPU_LOAD, C.JOB_COMPLETION_INDEX):
         put(name, None, TORCH_TPU if name != C.JOB_COMPLETION_INDEX else "Kubernetes Indexed Jobs only",
             "libtpu" if name != C.JOB_COMPLETION_INDEX else "torch_tpu's launcher")
     # GKE sets "true"; a simulated cluster's job sets "1" over it (Ray's job env wins over the raylet's)

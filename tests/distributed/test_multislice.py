@@ -64,7 +64,7 @@ def test_two_slices_env_and_all_reduce(sim, tmp_path):
         slice_id = r["rank"] // 4
         assert r["slice"] == f"sim-slice-{slice_id}" and r["ip"] == hosts[slice_id]
         assert r["env"]["MEGASCALE_SLICE_ID"] == str(slice_id) and r["env"]["MEGASCALE_NUM_SLICES"] == "2"
-        assert r["env"]["MEGASCALE_COORDINATOR_ADDRESS"] == f"{hosts[0]}:8081"
+        assert r["env"]["MEGASCALE_COORDINATOR_ADDRESS"] == f"{hosts[0]}:8080"
         assert r["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[r["rank"] % 4] == f"{hosts[slice_id]}:{8070 + r['rank'] % 4}"
         assert r["node_rank"] == slice_id == int(r["env"]["NODE_RANK"])
 

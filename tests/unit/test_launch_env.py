@@ -59,11 +59,12 @@ def test_multislice_sets_megascale_like_ray():
     assert env["TPU_WORKER_HOSTNAMES"] == "10.1.0.0,10.1.0.1"
     assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[5] == "10.1.0.1:8071"
     ray_env = get_tpu_coordinator_env_vars(
-        coordinator_address="10.0.0.0:8081", num_slices=2, slice_id=1, coordinator_port="8081"
+        coordinator_address="10.0.0.0:8080", num_slices=2, slice_id=1, coordinator_port="8080"
     )
     for key in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"):
         assert env[key] == ray_env[key]
-    assert env["MEGASCALE_PORT"] == str(8081 + 1)  # base + LOCAL_RANK, as Ray does
+    # torch_tpu's ports (it sets them at PJRT start): 8080 + 2 * LOCAL_RANK and the debug port next to it
+    assert (env["MEGASCALE_PORT"], env["MEGASCALE_DEBUG_PORT"]) == (str(8080 + 2), str(8081 + 2))
     single = launch_env(t, hosts[:2], rank=5, xprof_session_id="1")
     assert not set(MEGASCALE_KEYS) & set(single)
 

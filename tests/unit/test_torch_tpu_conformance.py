@@ -212,10 +212,12 @@ def test_torch_tpu_sets_at_pjrt_start_what_we_set_before(derived, case):
     assert theirs["TPU_PROCESS_ADDRESSES"] == ours["TORCH_TPU_SLICEBUILDER_ADDRESSES"]
     assert theirs["TPU_PROCESS_PORT"] == str(8070 + local)
     if case[2] > 1:
-        # a stated conflict: torch_tpu moves every process's MegaScale port from ours
-        # (Ray's convention, 8081 + LOCAL_RANK) to 8080 + 2 * LOCAL_RANK, and the coordinator
-        # port we give (8081) becomes LOCAL_RANK 0's debug port (docs/environment.md)
-        assert ours["MEGASCALE_PORT"] == str(8081 + local) != theirs["MEGASCALE_PORT"] == str(8080 + 2 * local)
-        assert theirs["MEGASCALE_DEBUG_PORT"] == str(8081 + 2 * local)
-        assert ours["MEGASCALE_COORDINATOR_ADDRESS"].endswith(":8081")
+        # torch_tpu sets every process's MegaScale ports itself (8080 + 2 * LOCAL_RANK and the
+        # debug port next to it): ours are the same before it starts, and the coordinator is
+        # rank 0's MegaScale port, not a debug port (docs/environment.md)
+        for key in ("MEGASCALE_PORT", "MEGASCALE_DEBUG_PORT"):
+            assert ours[key] == theirs[key], key
+        assert ours["MEGASCALE_COORDINATOR_ADDRESS"] == f"{ours['MASTER_ADDR']}:8080"
+        if local == 0:
+            assert theirs["MEGASCALE_PORT"] == "8080"  # the coordinator's own process
     assert "--slicebuilder_use_insecure_grpc=true" in theirs["LIBTPU_INIT_ARGS"]
