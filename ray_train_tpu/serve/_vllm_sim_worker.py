@@ -1,14 +1,14 @@
 """`SliceCPUWorker`: vLLM's CPU worker as one device of a simulated slice.
 
 Its environment and place were checked, and its TorchTPU environment set from
-`launch_env`, before it started (`ray_train_tpu.serve._worker_proc`); this
+`launch_env`, before it started (`ray_train_tpu.serve.worker_check`); this
 class only reports them (``LLMServer.collective_rpc("slice_env")``).
 """
 
 from __future__ import annotations
 
 from ray_train_tpu._compat.vllm import CPUWorker
-from ray_train_tpu.serve import _worker_proc
+from ray_train_tpu.serve import worker_check
 
 
 class SliceCPUWorker(CPUWorker):
@@ -18,4 +18,4 @@ class SliceCPUWorker(CPUWorker):
         """This worker's rank, host address and TorchTPU environment."""
         import ray
 
-        return {"rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "env": dict(_worker_proc.APPLIED)}
+        return {"rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "env": dict(worker_check.APPLIED)}

@@ -25,16 +25,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import uuid
 from typing import Any, Mapping, Optional
 
 from ray_train_tpu import _validate as V
-from ray_train_tpu.serve._batch_engine import SLICE_COLUMN
 from ray_train_tpu.serve.engine import SliceEngine, slice_engine, with_env
 from ray_train_tpu.serve.models import model_context_length
 
 logger = logging.getLogger(__name__)
 
+SLICE_COLUMN = "slice"
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens", SLICE_COLUMN)
 _WHERE = "BatchConfig"
 
@@ -142,9 +143,7 @@ class SliceBatchProcessor:
 
     def release(self) -> int:
         """Release every slice this processor reserved; returns how many."""
-        from ray_train_tpu.serve import _batch_engine
-
-        return _batch_engine.release(self.job)
+        return release(self.job)
 
     def _build(self, columns: list) -> Any:
         from ray_train_tpu._compat import ray_llm as R
@@ -169,9 +168,10 @@ class SliceBatchProcessor:
         )
         R.place_engines(
             processor, _batch_engine.SliceEngineUDF,
-            functools.partial(_batch_engine.reserve_slice, self.job, engine.spec.topology,
+            functools.partial(reserve_slice, self.job, engine.spec.topology,
                               engine.spec.accelerator_type, engine.strategy),
             slice_topology=engine.spec.topology, slice_accelerator_type=engine.spec.accelerator_type,
+            slice_column=SLICE_COLUMN,
         )
         return processor
 
@@ -186,6 +186,46 @@ def run_batch(config: BatchConfig, dataset: Any) -> Any:
     slices; returns the materialized output dataset."""
     with SliceBatchProcessor(config) as processor:
         return processor(dataset).materialize()
+
+
+# Reservations, in the driver: `reserve_slice` is the engine stage's
+# ``ray_remote_args_fn``; Ray Data calls it for every engine actor it starts,
+# and the actor runs in the placement group it returns (Ray's
+# ``SlicePlacementGroup``: one ``{"TPU": 1}`` bundle per device, gang-scheduled
+# on one slice; child tasks captured, so that vLLM's Ray executor finds it).
+# batch job id -> its SlicePlacementGroup handles.
+_RESERVATIONS: dict[str, list] = {}
+_LOCK = threading.Lock()
+
+
+def reserve_slice(job: str, topology: str, accelerator_type: str, strategy: str) -> dict:
+    """Reserve one whole free slice for an engine actor (blocks until its head
+    is reserved); returns the actor's scheduling strategy."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.tpu import SlicePlacementGroup
+
+    with _LOCK:
+        handles = _RESERVATIONS.setdefault(job, [])
+        handle = SlicePlacementGroup(topology=topology, accelerator_version=accelerator_type,
+                                     resources_per_bundle={"TPU": 1}, strategy=strategy,
+                                     name=f"{job}-engine-{len(handles)}")
+        handles.append(handle)
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        handle.placement_group, placement_group_capture_child_tasks=True)}
+
+
+def reservations(job: str) -> int:
+    with _LOCK:
+        return len(_RESERVATIONS.get(job, []))
+
+
+def release(job: str) -> int:
+    """Release every slice reserved for `job` (its engines die with them)."""
+    with _LOCK:
+        handles = _RESERVATIONS.pop(job, [])
+    for handle in handles:
+        handle.shutdown()
+    return len(handles)
 
 
 def _output_row(columns: list, row: dict) -> dict:
