@@ -34,17 +34,20 @@ def _ray_chips() -> list:
     return list(ray.get_runtime_context().get_accelerator_ids().get("TPU", []))
 
 
-def slice_worker_setup(rank: int, local_rank: int, engine_env: Mapping[str, str]) -> dict:
+def slice_worker_setup(rank: int, local_rank: int, engine_env: Mapping[str, str],
+                       simulated: Optional[bool] = None) -> dict:
     """For vLLM worker `rank` (`local_rank` on its host), whose engine's and
     executor's variables are `engine_env`: check it and return the variables to
     give it (empty on a TPU, where vllm-torchtpu's stand once checked; none
     without a slice plan in `engine_env`). Stale job variables are removed
-    from this process."""
+    from this process. `simulated` defaults to this process's
+    ``RAY_TRAIN_TPU_SIMULATE``."""
     text = engine_env.get(C.RAY_TRAIN_TPU_SERVE_SLICE)
     if not text:
         return {}
     plan = SlicePlan.from_json(text)
-    simulated = _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
+    if simulated is None:
+        simulated = _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
     env = slice_worker_env(plan, rank, local_rank=local_rank, chips=_ray_chips(), host_env=_environ.copy(),
                            engine_env=engine_env, simulated=simulated)
     _environ.unset(env.unset)
