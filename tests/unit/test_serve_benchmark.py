@@ -39,3 +39,34 @@ def test_summary_ratios_and_goals_at_the_highest_concurrency():
 def test_prompts_differ():
     texts = st.prompts(40)
     assert len(set(texts)) == 40
+
+
+# --- benchmarks/batch_throughput.py -------------------------------------------------
+
+from benchmarks import batch_throughput as bt  # noqa: E402
+
+
+def test_batch_benchmark_defaults_and_bad_arguments(capsys):
+    args = bt.parse_args([])
+    assert (args.num_slices, args.topology, args.model, args.prompts) == (2, "1x1", "smollm2", 400)
+    for argv in (["--num-slices", "0"], ["--max-tokens", "0"], ["--prompts", "7"]):
+        with pytest.raises(SystemExit) as e:
+            bt.parse_args(argv)
+        assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_batch_rate_counts_only_while_every_engine_works():
+    # slice a answers alone for 10 s (its engine started first), then both, 1 row/s each.
+    arrivals = [(float(t), "a", 4) for t in range(10)] + [(10.0, "b", 4)]
+    arrivals += [(10.0 + i / 2, "ab"[i % 2], 4) for i in range(1, 21)]
+    rate = bt.steady_rate(arrivals, num_slices=2)
+    assert rate["rows"] == 20 and rate["wall_s"] == pytest.approx(10.0)
+    assert rate["rows_per_s"] == pytest.approx(2.0) and rate["tokens_per_s"] == pytest.approx(8.0)
+    assert bt.steady_rate([(0.0, "a", 1), (1.0, "a", 1)], num_slices=2)["rows_per_s"] is None
+
+
+def test_batch_summary_judges_both_ratios():
+    s = bt.summarize({"rows_per_s": 9.5, "tokens_per_s": 300.0}, {"rows_per_s": 10.0, "tokens_per_s": 320.0})
+    assert s["batch_vs_offline_rows_per_s"] == pytest.approx(0.95) and s["meets_goal"]
+    s = bt.summarize({"rows_per_s": 9.5, "tokens_per_s": 250.0}, {"rows_per_s": 10.0, "tokens_per_s": 320.0})
+    assert not s["meets_goal"]
