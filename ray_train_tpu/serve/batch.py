@@ -30,6 +30,7 @@ import uuid
 from typing import Any, Mapping, Optional
 
 from ray_train_tpu import _validate as V
+from ray_train_tpu import constants as C
 from ray_train_tpu.serve.engine import SliceEngine, slice_engine, with_env
 from ray_train_tpu.serve.models import model_context_length
 
@@ -146,14 +147,19 @@ class SliceBatchProcessor:
         return release(self.job)
 
     def _build(self, columns: list) -> Any:
+        import ray
+
         from ray_train_tpu._compat import ray_llm as R
         from ray_train_tpu.serve import _batch_engine
 
         cfg, engine = self.config, self.config.engine
+        # vLLM's engine core runs in a child process of the engine actor and joins
+        # the cluster itself: this one, not whichever "auto" finds on the host.
+        env = {**engine.env, C.RAY_ADDRESS: ray.get_runtime_context().gcs_address}
         processor_config = R.vLLMEngineProcessorConfig(
             model_source=cfg.model,
             engine_kwargs=engine.engine_kwargs,
-            runtime_env=with_env(cfg.runtime_env, engine.env),
+            runtime_env=with_env(cfg.runtime_env, env),
             concurrency=(cfg.num_slices, cfg.num_slices),
             batch_size=cfg.batch_size,
             max_concurrent_batches=cfg.max_concurrent_batches,

@@ -224,12 +224,12 @@ def test_batch_on_both_slices_equals_offline_and_survives_a_killed_engine(served
     print(f"batch: {len(rows)} rows in {elapsed:.0f} s, one of two engines killed after the first row")
     assert sorted(r["id"] for r in rows) == list(range(NUM_PROMPTS))  # none lost, none twice
     for r in rows:
-        assert r["generated_token_ids"] == offline_tokens[r["id"]], r
+        assert list(r["generated_token_ids"]) == offline_tokens[r["id"]], r
         assert r["num_generated_tokens"] == len(r["generated_token_ids"]) and r["num_input_tokens"] > 0
         assert r["prompt"] == PROMPTS[r["id"]]
     assert {r["slice"] for r in rows} == {"sim-slice-0", "sim-slice-1"}
     restarted = [a for a in list_actors(limit=1000, detail=True) if a.actor_id == killed.actor_id]
-    assert restarted and (restarted[0].pid != killed.pid or restarted[0].state != "ALIVE")
+    assert restarted and restarted[0].num_restarts >= 1  # Ray restarted it (on its slice)
     _wait("nothing reserved", lambda: not [pg for pg in ray.util.placement_group_table().values()
                                            if pg["state"] != "REMOVED"], 60)
 
