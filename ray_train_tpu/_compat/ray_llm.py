@@ -41,6 +41,7 @@ _environ.update({
     k: v for k, v in {C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items() if _environ.get(k) is None
 })
 
+import ray  # noqa: E402
 from fastapi import HTTPException  # noqa: E402
 from ray.data.llm import build_processor, vLLMEngineProcessorConfig  # noqa: E402
 from ray.llm._internal.batch.stages.vllm_engine_stage import (  # noqa: E402
@@ -59,6 +60,12 @@ __all__ = [
 ]
 
 TELEMETRY_ACTOR_CLASS = "TelemetryAgent"
+if ray.__version__ != TESTED_RAY_VERSION:
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "ray_train_tpu's Ray Serve LLM / Ray Data LLM seams were checked against Ray %s, found %s; "
+        "tests/unit/test_compat.py tells whether they still hold", TESTED_RAY_VERSION, ray.__version__)
 # Ray Data LLM names a processor's stages by class (``Processor._append_stage``).
 ENGINE_STAGE_NAME = vLLMEngineStage.__name__
 

@@ -23,9 +23,12 @@ Importing this module imports no vLLM: the classes load on first use.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, Mapping, Optional
 
 from ray_train_tpu import constants as C
+
+logger = logging.getLogger(__name__)
 
 TESTED_VLLM_VERSION = C.VLLM_VERSION
 
@@ -62,9 +65,25 @@ def original_worker_proc() -> type:
     return _ORIGINAL_WORKER_PROC[0]
 
 
+def warn_if_untested(name: str, installed: str, tested: str) -> bool:
+    """Log once per process that `name` `installed` is not the version our seams were checked against."""
+    if installed.split("+")[0] == tested or name in _WARNED:
+        return False
+    _WARNED.add(name)
+    logger.warning("ray_train_tpu's %s seams were checked against %s %s, found %s; "
+                   "tests/unit/test_compat.py tells whether they still hold", name, name, tested, installed)
+    return True
+
+
+_WARNED: set = set()
+
+
 def use_worker_proc(cls: type) -> None:
     """Make vLLM's Ray executors (V2: vLLM's own and vllm-torchtpu's) start
     `cls`, a subclass of `original_worker_proc()`, for every worker. Idempotent."""
+    import vllm
+
+    warn_if_untested("vLLM", vllm.__version__, TESTED_VLLM_VERSION)
     original = original_worker_proc()
     if not issubclass(cls, original):
         raise TypeError(f"{cls!r} must subclass vLLM's RayWorkerProc")

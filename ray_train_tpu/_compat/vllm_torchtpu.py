@@ -32,6 +32,11 @@ HostLayout = tuple[list, dict]
 
 
 def executor_class() -> type:
+    from importlib import metadata
+
+    from ray_train_tpu._compat.vllm import warn_if_untested
+
+    warn_if_untested(DIST, metadata.version(CORE_DIST), TESTED_VLLM_TORCHTPU_VERSION)
     return getattr(importlib.import_module(EXECUTOR_MODULE), EXECUTOR_CLASS)
 
 

@@ -217,3 +217,16 @@ def test_pinned_vllm_torchtpu_seams_exist(torchtpu_src):
         assert name in platform
     assert 'ray_device_key: str = "TPU"' in platform
     assert 'env_val = os.environ.get("TORCH_TPU_TOPOLOGY")' in platform  # ours comes first
+
+
+def test_an_untested_upstream_version_is_said_once(caplog):
+    from ray_train_tpu._compat import vllm as V
+
+    V._WARNED.discard("probe")
+    with caplog.at_level("WARNING", logger=V.__name__):
+        assert not V.warn_if_untested("probe", "0.29.0+cpu", "0.29.0")
+        assert V.warn_if_untested("probe", "0.30.1", "0.29.0")
+        assert not V.warn_if_untested("probe", "0.30.1", "0.29.0")
+    assert [r.getMessage() for r in caplog.records] == [
+        "ray_train_tpu's probe seams were checked against probe 0.29.0, found 0.30.1; "
+        "tests/unit/test_compat.py tells whether they still hold"]
