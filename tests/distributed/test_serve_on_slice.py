@@ -53,6 +53,36 @@ print("RESULT " + json.dumps({"chat": list(chat.token_ids), "chat_text": chat.te
 """
 
 
+class OfflineReference:
+    """A script (vLLM offline, or vllm-torchtpu's executor) in a process of its
+    own, started at once and read when needed: it runs while the cluster and
+    the app start."""
+
+    def __init__(self, code: str, arg, log_dir):
+        env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        self.out, self.err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(arg)], stdout=self.out,
+                                     stderr=self.err, text=True, env=env)
+        self._result = None
+
+    def result(self):
+        if self._result is None:
+            self.proc.wait(timeout=900)
+            self.out.seek(0)
+            self.err.seek(0)
+            lines = [line for line in self.out.read().splitlines() if line.startswith("RESULT ")]
+            assert self.proc.returncode == 0 and lines, self.err.read()[-3000:]
+            self._result = json.loads(lines[-1][len("RESULT "):])
+        return self._result
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from ray_train_tpu.serve import save_tiny_model
@@ -62,26 +92,37 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_worker(model_dir):
-    """Greedy tokens of the same model in vLLM on one worker (offline, no Ray)."""
-    import os
-
-    env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    arg = json.dumps([model_dir, MESSAGES, PROMPT, MAX_TOKENS, ENGINE])
-    out = subprocess.run([sys.executable, "-c", _OFFLINE, arg], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+def reference(model_dir, tmp_path_factory):
+    """Greedy tokens of the same model in vLLM on one worker, offline."""
+    ref = OfflineReference(_OFFLINE, [model_dir, MESSAGES, PROMPT, MAX_TOKENS, ENGINE],
+                           tmp_path_factory.mktemp("reference"))
+    yield ref
+    ref.close()
 
 
 @pytest.fixture(scope="module")
-def sim(single_worker):  # the reference first: it needs memory the app will hold
+def single_worker(reference):
+    return reference.result()
+
+
+@pytest.fixture(scope="module")
+def sim(reference):  # the reference starts first, and runs while the cluster and the app start
     with simulated_tpu_cluster(TOPOLOGY, ACCEL, num_slices=2) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def base_url(sim, model_dir):
+def torchtpu_run(sim, tmp_path_factory):
+    """vllm-torchtpu's executor on a free slice (see `_TORCHTPU`), started before
+    the app and run while it starts."""
+    run = OfflineReference(_TORCHTPU, {"address": sim.address, "topology": TOPOLOGY, "accelerator_type": ACCEL},
+                           tmp_path_factory.mktemp("torchtpu"))
+    yield run
+    run.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(sim, model_dir, torchtpu_run):
     from ray import serve
 
     from ray_train_tpu.serve import build_llm_config, build_openai_app
@@ -297,24 +338,19 @@ handle.shutdown()
 """
 
 
-def test_vllm_torchtpu_executor_with_our_hooks_gives_each_worker_launch_env(sim, base_url):
+def test_vllm_torchtpu_executor_with_our_hooks_gives_each_worker_launch_env(sim, base_url, torchtpu_run):
     """vllm-torchtpu's own executor code: unconfined it takes every TPU node of the
     cluster as the slice (here both slices, one of them serving); confined by our
     plugin, the environment it computes for each worker is launch_env's, and our
     worker check passes in every worker."""
     from ray_train_tpu.serve.slice_plan import ENGINE_SET_KEYS, SlicePlan
 
-    env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1"}
-    arg = json.dumps({"address": sim.address, "topology": TOPOLOGY, "accelerator_type": ACCEL})
-    out = subprocess.run([sys.executable, "-c", _TORCHTPU, arg], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = torchtpu_run.result()
     plan = SlicePlan.from_json(got["plan"])
     every_host = sorted(sim.hosts.values())
     assert sorted(got["theirs"][0]) == every_host and len(every_host) == 4  # the problem: two slices mixed
     assert got["confined"] == [list(plan.hosts), {ip: 4 for ip in plan.hosts}]
-    free = 1 - _serving_slice(sim)
+    free = 1 - _serving_slice(sim)  # it ran while the app started: never on the app's slice
     assert list(plan.hosts) == [sim.hosts[(free, w)] for w in range(2)]
     assert got["stopped"] and "recorded" in got["stopped"]  # stopped where a TPU worker would start
     topo = Topology.parse(TOPOLOGY, ACCEL)

@@ -35,7 +35,7 @@ APP, DEPLOYMENT = "llm", f"LLMServer:{MODEL_ID}"
 # float32: in bfloat16 this 135M model answers "L'Étoile, la Marseillaise, ..." (vLLM offline too).
 SERVE_ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "kv_cache_memory_bytes": 64 * 2**20}
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
-               "downscale_delay_s": 5, "look_back_period_s": 2}
+               "downscale_delay_s": 2, "look_back_period_s": 1}
 BATCH_ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "kv_cache_memory_bytes": 32 * 2**20}
 NUM_PROMPTS, BATCH_TOKENS = 200, 8
 PROMPTS = [f"Prompt {i}: the number {i * 7} is" for i in range(NUM_PROMPTS)]
@@ -51,6 +51,35 @@ print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
+class OfflineReference:
+    """vLLM offline in a process of its own (no Ray), started at once and read
+    when needed: it runs while the cluster and its engines start."""
+
+    def __init__(self, code: str, arg, log_dir):
+        env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        self.out, self.err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(arg)], stdout=self.out,
+                                     stderr=self.err, text=True, env=env)
+        self._result = None
+
+    def result(self):
+        if self._result is None:
+            self.proc.wait(timeout=900)
+            self.out.seek(0)
+            self.err.seek(0)
+            lines = [line for line in self.out.read().splitlines() if line.startswith("RESULT ")]
+            assert self.proc.returncode == 0 and lines, self.err.read()[-3000:]
+            self._result = json.loads(lines[-1][len("RESULT "):])
+        return self._result
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from ray_train_tpu.serve import save_tiny_model
@@ -60,14 +89,17 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline_tokens(tiny_dir):
-    """Greedy tokens of every prompt from vLLM offline on one worker (no Ray)."""
-    env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    arg = json.dumps([tiny_dir, PROMPTS, BATCH_TOKENS, BATCH_ENGINE])
-    out = subprocess.run([sys.executable, "-c", _OFFLINE, arg], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+def reference(tiny_dir, tmp_path_factory):
+    """Greedy tokens of every prompt from vLLM offline on one worker."""
+    ref = OfflineReference(_OFFLINE, [tiny_dir, PROMPTS, BATCH_TOKENS, BATCH_ENGINE],
+                           tmp_path_factory.mktemp("reference"))
+    yield ref
+    ref.close()
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(reference):
+    return reference.result()
 
 
 class Served:
@@ -76,7 +108,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(offline_tokens, tmp_path_factory):  # the reference first: it needs memory the app will hold
+def served(reference, tmp_path_factory):  # the reference starts first and runs meanwhile
     """The CLI, serving on the simulated cluster it started; this process joins that cluster."""
     from ray_train_tpu.testing.simulated_cluster import HEAD_IP
 
@@ -182,7 +214,7 @@ def test_autoscaling_takes_a_whole_slice_under_load_and_releases_it(served):
         t.start()
     try:
         _wait("a second replica is asked for", lambda: sum(_replicas().values()) == 2, 120)
-        time.sleep(5)
+        time.sleep(3)
         assert _replicas().get("RUNNING") == 1 and len(_tpu_pgs()) == 2  # ours, the app's; no third
         other.shutdown()
         _wait("1 -> 2 replicas", lambda: _replicas() == {"RUNNING": 2}, START_TIMEOUT_S, every_s=2)
