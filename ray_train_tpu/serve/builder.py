@@ -4,30 +4,14 @@ Ray Serve LLM's own vLLM engine (no custom server or engine class)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from ray_train_tpu import _environ
-from ray_train_tpu import constants as C
-from ray_train_tpu.serve.models import model_shape
-from ray_train_tpu.serve.spec import SliceServeSpec
+from ray_train_tpu.serve.engine import slice_engine, with_env
 
 CALLBACK_CLASS = "ray_train_tpu.serve._callback.SliceLayoutCallback"
-# Per-worker KV cache in simulation (CPU memory; vLLM's CPU default is 4 GiB).
-SIMULATED_KV_CACHE_BYTES = 256 * 2**20
-
-# Every replica and vLLM worker: libtpu never asks for a metadata server.
-SERVE_ENV = {C.TPU_SKIP_MDS_QUERY: "1"}
-# vllm-torchtpu: its Ray executor (V2) for a multi-host slice
-# (vllm_torchtpu/platforms/tpu_platform.py, TPU_MULTIHOST_BACKEND).
-TORCHTPU_ENV = {"TPU_MULTIHOST_BACKEND": "ray", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1"}
-# Simulation: gloo over loopback (each simulated host is a loopback address),
-# no CPU pinning (the hosts share the machine's cores), torch_tpu not autoloaded.
-SIMULATED_ENV = {
-    C.RAY_TRAIN_TPU_SIMULATE: "1",
-    C.TORCH_DEVICE_BACKEND_AUTOLOAD: "0",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-}
+# Ray Serve LLM's own default target is 1e9 ongoing requests per replica, which
+# never scales on load; a replica that owns a slice is asked to carry this many.
+DEFAULT_TARGET_ONGOING_REQUESTS = 16
 
 
 def build_llm_config(
@@ -36,98 +20,110 @@ def build_llm_config(
     accelerator_type: str,
     *,
     model_id: Optional[str] = None,
-    num_replicas: int = 1,
+    num_replicas: Optional[int] = None,
+    autoscaling_config: Optional[Mapping[str, Any]] = None,
     tensor_parallel_size: Optional[int] = None,
     pipeline_parallel_size: Optional[int] = None,
     engine_kwargs: Optional[dict] = None,
     deployment_config: Optional[dict] = None,
     runtime_env: Optional[dict] = None,
+    lora_config: Optional[Mapping[str, Any]] = None,
+    log_engine_metrics: bool = False,
     simulate: Optional[bool] = None,
 ) -> Any:
     """A ``ray.serve.llm.LLMConfig`` for Ray Serve LLM's vLLM engine whose every
     replica owns one whole slice, one vLLM worker per device.
 
     Checked before anything starts: the slice (accelerator type, topology),
-    and TP x PP against the slice's devices and the model's heads and layers
-    (unset sizes are chosen: the largest TP the model allows).
+    TP x PP against the slice's devices and the model's heads and layers
+    (unset sizes are chosen: the largest TP the model allows), the replica
+    count or autoscaling bounds, and, on the simulated platform, that the
+    engine can serve at all (no pipeline parallelism in eager mode).
 
     Args:
         model: Hugging Face model directory (as every TPU host sees it) or id.
         topology, accelerator_type: each replica's slice, e.g. ``"4x4"``, ``"TPU-V6E"``.
         model_id: the name clients send (default: the directory's name).
-        num_replicas: replicas, one slice each.
+        num_replicas: replicas, one slice each (default 1; not with autoscaling).
+        autoscaling_config: Ray Serve's ``autoscaling_config``; ``min_replicas``
+            and ``max_replicas`` count slices. A replica that cannot get a
+            whole free slice waits for one; scaling down releases its slice.
+            ``target_ongoing_requests`` defaults to 16 per replica (Ray Serve
+            LLM's own default never scales on load).
         tensor_parallel_size, pipeline_parallel_size: default: sized to the slice.
         engine_kwargs: more vLLM engine arguments (``max_model_len``, ``dtype``,
             ``enforce_eager``, ...).
+        lora_config: Ray Serve LLM's ``lora_config`` (adapters loaded from
+            ``dynamic_lora_loading_path``, a cloud storage path); sets
+            ``enable_lora`` unless ``engine_kwargs`` says otherwise.
+        log_engine_metrics: export vLLM's engine metrics through Ray's metrics.
         simulate: the simulated TPU platform (vLLM's CPU kernels, gloo) instead of
             vllm-torchtpu; default: ``RAY_TRAIN_TPU_SIMULATE=1`` in this process.
 
     Example:
-        >>> cfg = build_llm_config("/models/Qwen2.5-0.5B-Instruct", "4x4", "TPU-V6E")  # doctest: +SKIP
+        >>> cfg = build_llm_config("/models/Qwen2.5-0.5B-Instruct", "4x4", "TPU-V6E",  # doctest: +SKIP
+        ...                        autoscaling_config={"min_replicas": 1, "max_replicas": 4})
         >>> serve.run(build_openai_app([cfg]))  # doctest: +SKIP
     """
-    if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
-        raise ValueError(f"num_replicas {num_replicas!r} must be an integer >= 1 (one slice each)")
+    deployment = _deployment_config(num_replicas, autoscaling_config, deployment_config)
     kwargs = dict(engine_kwargs or {})
-    for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size)):
-        if value is not None and kwargs.get(name, value) != value:
-            raise ValueError(f"{name} is {value!r} but engine_kwargs[{name!r}] is {kwargs[name]!r}; give it once")
-        if value is not None:
-            kwargs[name] = value
-    if kwargs.get("distributed_executor_backend", "ray") != "ray":
-        raise ValueError(
-            f"engine_kwargs distributed_executor_backend {kwargs['distributed_executor_backend']!r}: "
-            "a replica's workers span the slice's hosts, which needs vLLM's Ray executor ('ray'); remove it"
-        )
-    spec = SliceServeSpec(
-        accelerator_type=accelerator_type,
-        topology=topology,
-        tensor_parallel_size=kwargs.get("tensor_parallel_size"),
-        pipeline_parallel_size=kwargs.get("pipeline_parallel_size"),
-        model=model_shape(model),
-    )
-    kwargs.update(
-        tensor_parallel_size=spec.tensor_parallel_size,
-        pipeline_parallel_size=spec.pipeline_parallel_size,
-        distributed_executor_backend="ray",
-    )
-    if simulate is None:
-        simulate = _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
-    env = dict(SERVE_ENV)
-    if os.path.isdir(model):
-        env[C.HF_HUB_OFFLINE] = "1"
-    if simulate:
-        env.update(SIMULATED_ENV)
-        if "kv_cache_memory_bytes" not in kwargs and "VLLM_CPU_KVCACHE_SPACE" not in env:
-            kwargs["kv_cache_memory_bytes"] = SIMULATED_KV_CACHE_BYTES
-    else:
-        env.update(TORCHTPU_ENV)
-    runtime_env = dict(runtime_env or {})
-    runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
-    from ray_train_tpu.serve import _ray_llm as R
+    if lora_config is not None:
+        kwargs.setdefault("enable_lora", True)
+    engine = slice_engine(model, topology, accelerator_type, tensor_parallel_size=tensor_parallel_size,
+                          pipeline_parallel_size=pipeline_parallel_size, engine_kwargs=kwargs, simulate=simulate)
+    spec = engine.spec
+    from ray_train_tpu._compat import ray_llm as R
 
+    extra = {} if lora_config is None else {"lora_config": dict(lora_config)}
     return R.LLMConfig(
         model_loading_config={"model_id": model_id or _default_id(model), "model_source": model},
         accelerator_type=spec.accelerator_type,
         accelerator_config={"kind": "tpu", "topology": spec.topology},
-        placement_group_config={"bundle_per_worker": {"TPU": 1}},
-        engine_kwargs=kwargs,
-        deployment_config={"num_replicas": num_replicas, **(deployment_config or {})},
-        runtime_env=runtime_env,
+        placement_group_config={"bundle_per_worker": {"TPU": 1}, "strategy": engine.strategy},
+        engine_kwargs=engine.engine_kwargs,
+        deployment_config=deployment,
+        runtime_env=with_env(runtime_env, engine.env),
         callback_config={
             "callback_class": CALLBACK_CLASS,
             "callback_kwargs": {"topology": spec.topology, "accelerator_type": spec.accelerator_type},
         },
-        log_engine_metrics=False,
+        log_engine_metrics=bool(log_engine_metrics),
+        **extra,
     )
+
+
+def _deployment_config(num_replicas, autoscaling_config, deployment_config) -> dict:
+    """Ray Serve's deployment options: a fixed replica count or autoscaling
+    bounds, never both (Serve refuses ``num_replicas`` beside ``autoscaling_config``)."""
+    out = dict(deployment_config or {})
+    autoscaling = autoscaling_config if autoscaling_config is not None else out.pop("autoscaling_config", None)
+    replicas = num_replicas if num_replicas is not None else out.pop("num_replicas", None)
+    if autoscaling is not None and replicas is not None:
+        raise ValueError(
+            f"num_replicas {replicas!r} and autoscaling_config {dict(autoscaling)!r} are both given: a deployment "
+            "either has a fixed replica count or scales between min_replicas and max_replicas; give one"
+        )
+    if autoscaling is None:
+        replicas = 1 if replicas is None else replicas
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise ValueError(f"num_replicas {replicas!r} must be an integer >= 1 (one slice each)")
+        return {**out, "num_replicas": replicas}
+    auto = dict(autoscaling)
+    lo, hi = auto.get("min_replicas", 1), auto.get("max_replicas")
+    for name, value in (("min_replicas", lo), ("max_replicas", hi)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"autoscaling_config {name} {value!r} must be an integer >= 0 (slices)")
+    if hi < max(lo, 1):
+        raise ValueError(f"autoscaling_config max_replicas {hi} must be >= min_replicas {lo} and >= 1")
+    auto.setdefault("target_ongoing_requests", DEFAULT_TARGET_ONGOING_REQUESTS)
+    return {**out, "autoscaling_config": auto}
 
 
 def build_openai_app(llm_configs: list, **serving_args: Any) -> Any:
     """Ray Serve LLM's OpenAI app (``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/models``) for `llm_configs`; an unknown model gets an OpenAI-style
     error."""
-    from ray_train_tpu.serve import _ray_llm as R
+    from ray_train_tpu._compat import ray_llm as R
 
     serving_args.setdefault("ingress_cls_config", {"ingress_cls": R.OpenAiErrorsIngress})
     return R.build_openai_app({"llm_configs": list(llm_configs), **serving_args})

@@ -3,6 +3,8 @@
 
     python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E
     python -m ray_train_tpu serve --model smollm2 --topology 2x2x2 --accelerator-type TPU-V4 --simulate
+    python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E \
+        --autoscaling-config '{"min_replicas": 1, "max_replicas": 4}'
     curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -25,15 +27,20 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--topology", required=True, help='slice of each replica, e.g. "4x4"')
     p.add_argument("--accelerator-type", required=True, help="e.g. TPU-V6E")
     p.add_argument("--model-id", help="the name clients send as 'model' (default: from --model)")
-    p.add_argument("--num-replicas", type=int, default=1, help="replicas, one whole slice each (default 1)")
+    p.add_argument("--num-replicas", type=int, help="replicas, one whole slice each (default 1)")
+    p.add_argument("--autoscaling-config",
+                   help="Ray Serve's autoscaling_config as JSON, min_replicas/max_replicas in slices, "
+                        'e.g. \'{"min_replicas": 1, "max_replicas": 4}\' (not with --num-replicas)')
     p.add_argument("--tensor-parallel-size", type=int, help="default: sized to the slice and the model")
     p.add_argument("--pipeline-parallel-size", type=int, help="default: the slice's devices / TP")
     p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, as JSON")
+    p.add_argument("--log-engine-metrics", action="store_true", help="export vLLM's engine metrics through Ray")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
     p.add_argument("--simulate", action="store_true",
-                   help="start a SIMULATED cluster with one slice per replica (CPU) and serve on it")
+                   help="start a SIMULATED cluster with one slice per replica (max_replicas when "
+                        "autoscaling; CPU) and serve on it")
     p.add_argument("--print-config", action="store_true", help="print the LLMConfig as JSON and exit")
     p.set_defaults(func=run)
 
@@ -46,18 +53,26 @@ def _model_source(model: str) -> tuple[str, str | None]:
     return model, None
 
 
+def _json_object(flag: str, text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} {text!r} must be a JSON object")
+    return value
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     # Validate the slice before importing anything heavy or starting anything.
     spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1..65535")
-    try:
-        engine_kwargs = json.loads(args.engine_kwargs)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--engine-kwargs {args.engine_kwargs!r} is not JSON ({e})") from None
-    if not isinstance(engine_kwargs, dict):
-        raise ValueError(f"--engine-kwargs {args.engine_kwargs!r} must be a JSON object")
+    engine_kwargs = _json_object("--engine-kwargs", args.engine_kwargs)
+    autoscaling = _json_object("--autoscaling-config", args.autoscaling_config)
     if args.simulate:
         from ray_train_tpu import _environ
         from ray_train_tpu import constants as C
@@ -68,7 +83,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
     config = build_llm_config(
         source, spec.topology, spec.accelerator_type, model_id=args.model_id or default_id,
-        num_replicas=args.num_replicas, engine_kwargs=engine_kwargs, simulate=args.simulate, **sizes,
+        num_replicas=args.num_replicas, autoscaling_config=autoscaling, engine_kwargs=engine_kwargs,
+        log_engine_metrics=args.log_engine_metrics, simulate=args.simulate, **sizes,
     )
     if args.print_config:
         dumped = config.model_dump(mode="json", exclude={"callback_config"})
@@ -77,18 +93,26 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         json.dump(dumped, out, indent=1)
         out.write("\n")
         return 0
-    if args.simulate:
-        from ray_train_tpu.testing import simulated_tpu_cluster
+    from ray_train_tpu.cli import running
 
-        with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=args.num_replicas):
-            return _serve(config, args, out, simulated=True)
-    import ray
+    with running("serving"):
+        if args.simulate:
+            from ray_train_tpu.testing import simulated_tpu_cluster
 
-    ray.init(address=args.address or "auto")
-    return _serve(config, args, out, simulated=False)
+            deployment = config.deployment_config
+            slices = deployment.get("num_replicas") or deployment["autoscaling_config"]["max_replicas"]
+            # Per host: its chips' bundles, plus a replica and the ingress.
+            cpus = spec.parsed.devices_per_host + 2
+            with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=slices,
+                                       cpus_per_host=cpus) as sim:
+                return _serve(config, args, out, address=sim.address, simulated=True)
+        import ray
+
+        ray.init(address=args.address or "auto")
+        return _serve(config, args, out, address=ray.get_runtime_context().gcs_address, simulated=False)
 
 
-def _serve(config, args, out: TextIO, simulated: bool) -> int:
+def _serve(config, args, out: TextIO, address: str, simulated: bool) -> int:
     from ray import serve
 
     from ray_train_tpu.serve.builder import build_openai_app
@@ -101,8 +125,8 @@ def _serve(config, args, out: TextIO, simulated: bool) -> int:
     # bind the same port.
     serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
     serve.run(app, name="llm", route_prefix="/")
-    note = " (SIMULATED slice, CPU)" if simulated else ""
-    out.write(f"serving at http://{args.host}:{args.port}/v1{note}; Ctrl-C stops\n")
+    note = " (SIMULATED slices, CPU)" if simulated else ""
+    out.write(f"serving at http://{args.host}:{args.port}/v1{note} on the Ray cluster at {address}; Ctrl-C stops\n")
     out.flush()
     try:
         import time

@@ -155,6 +155,20 @@ def save_tiny_model(
 def model_shape(source: str) -> ModelShape:
     """Heads and layers of a model source, from its ``config.json`` (a local
     directory, or a Hugging Face id through transformers' cache/Hub)."""
+    return ModelShape.from_config(model_config(source), source=source)
+
+
+def model_context_length(source: str) -> Optional[int]:
+    """The longest sequence the model takes (``max_position_embeddings`` of its
+    config, a multimodal model's ``text_config``'s), or None if it does not say."""
+    cfg = model_config(source)
+    cfg = cfg.get("text_config") or cfg
+    value = cfg.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def model_config(source: str) -> dict:
+    """A model source's ``config.json`` as a dict."""
     if source.lower().endswith(".gguf"):
         raise ValueError(
             f"model {source!r} is a GGUF file; vLLM serves a Hugging Face directory: convert "
@@ -163,9 +177,9 @@ def model_shape(source: str) -> ModelShape:
     if os.path.isdir(source):
         cfg_path = os.path.join(source, "config.json")
         if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"model directory {source!r} has no config.json")
+            raise ValueError(f"model directory {source!r} has no config.json (a Hugging Face model directory has one)")
         with open(cfg_path) as f:
-            return ModelShape.from_config(json.load(f), source=source)
+            return json.load(f)
     from transformers import AutoConfig
 
     try:
@@ -175,4 +189,4 @@ def model_shape(source: str) -> ModelShape:
             f"model {source!r} is neither a local directory nor a Hugging Face id whose "
             f"config can be read here ({e}); pass a directory every TPU host sees"
         ) from None
-    return ModelShape.from_config(cfg.to_dict(), source=source)
+    return cfg.to_dict()

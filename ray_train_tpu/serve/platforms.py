@@ -29,11 +29,11 @@ from ray_train_tpu import constants as C
 SIMULATED_PLATFORM = "ray_train_tpu.serve._vllm_sim.SimulatedTPUPlatform"
 MISSING_PLATFORM = "ray_train_tpu.serve._no_tpu_platform.MissingTorchTPUPlatform"
 TORCHTPU_DIST = "vllm-torchtpu"
-TORCHTPU_VERSION = "0.29.0"
+TORCHTPU_VERSION = C.VLLM_TORCHTPU_VERSION
 # vLLM's Ray executor hands these to its workers (beyond VLLM_* and HF_*).
-SLICE_PLAN_ENV = "RAY_TRAIN_TPU_SERVE_SLICE"
-VLLM_HOST_IP = "VLLM_HOST_IP"
-VLLM_RAY_BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
+SLICE_PLAN_ENV = C.RAY_TRAIN_TPU_SERVE_SLICE
+VLLM_HOST_IP = C.VLLM_HOST_IP
+VLLM_RAY_BUNDLE_INDICES = C.VLLM_RAY_BUNDLE_INDICES
 
 INSTALL_HINT = (
     f"pip install {TORCHTPU_DIST}=={TORCHTPU_VERSION} vllm-torchtpu-core=={TORCHTPU_VERSION} "
@@ -105,22 +105,13 @@ def _simulated_host_ip() -> None:
         pass
 
 
-# --- vllm-torchtpu: confine its Ray executor to the replica's slice -----------------
-#
-# vllm-torchtpu's RayDistributedExecutorV2 (vllm_torchtpu/executors/
-# ray_distributed_executor_v2.py) places rank r in bundle VLLM_RAY_BUNDLE_INDICES[r]
-# (which our callback sets in TPU worker id order), but builds the slice's host list
-# (`_slice_host_layout`: slice-builder addresses ip:TORCH_TPU_BASE_PORT+chip,
-# NODE_RANK, MASTER_ADDR) from every TPU node in ray.nodes(): with two slices in one
-# cluster, two replicas would mix each other's hosts. Our general plugin makes it
-# read the replica's own slice plan instead. Untested on real TPUs (see README).
-
-TORCHTPU_EXECUTOR = "vllm_torchtpu.executors.ray_distributed_executor_v2"
+# --- every vLLM process: the worker check, and vllm-torchtpu confined to the slice ---
 
 
 def torchtpu_host_layout(plan_json: str) -> tuple[list[str], dict[str, int]]:
-    """`_slice_host_layout`'s answer for the replica's slice: its hosts in TPU
-    worker id order and the devices each holds."""
+    """What vllm-torchtpu's executor should take as the engine's slice (its
+    ``_slice_host_layout``): the plan's hosts in TPU worker id order and the
+    devices each holds."""
     from ray_train_tpu.serve.slice_plan import SlicePlan
 
     plan = SlicePlan.from_json(plan_json)
@@ -128,28 +119,22 @@ def torchtpu_host_layout(plan_json: str) -> tuple[list[str], dict[str, int]]:
     return list(plan.hosts), {ip: per_host for ip in plan.hosts}
 
 
-def confine_torchtpu_executor(executor_cls) -> None:
-    """Make `executor_cls._slice_host_layout` answer from the replica's slice
-    plan (``RAY_TRAIN_TPU_SERVE_SLICE``) when there is one."""
-    original = executor_cls._slice_host_layout
-    if getattr(original, "_ray_train_tpu", False):
-        return
-
-    def _slice_host_layout(self, device_str):
-        plan_json = _environ.get(SLICE_PLAN_ENV)
-        if not plan_json:
-            return original(self, device_str)
-        return torchtpu_host_layout(plan_json)
-
-    _slice_host_layout._ray_train_tpu = True
-    executor_cls._slice_host_layout = _slice_host_layout
+def _engine_slice_layout():
+    plan_json = _environ.get(SLICE_PLAN_ENV)
+    return torchtpu_host_layout(plan_json) if plan_json else None
 
 
 def vllm_general_plugin() -> None:
     """Entry point (``vllm.general_plugins``: ``ray_train_tpu``); vLLM loads it in
-    every process. Only acts where vllm-torchtpu is installed."""
+    every process. vLLM's Ray executors start every worker in `SliceWorkerProc`
+    (the env/place check of a slice's workers, simulated or not); with
+    vllm-torchtpu, its executor takes the engine's slice from the plan."""
+    from ray_train_tpu._compat import vllm as V
+    from ray_train_tpu.serve._worker_proc import SliceWorkerProc
+
+    V.use_worker_proc(SliceWorkerProc)
     if not _torchtpu_installed() or _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1":
         return
-    import importlib
+    from ray_train_tpu._compat import vllm_torchtpu as T
 
-    confine_torchtpu_executor(importlib.import_module(TORCHTPU_EXECUTOR).RayDistributedExecutorV2)
+    T.confine_executor(T.executor_class(), _engine_slice_layout)

@@ -19,7 +19,7 @@ Example:
     ...                        slice_name="s", worker_id=1 - i // 4, chip=i % 4) for i in range(8)]
     >>> plan = plan_slice(t, bundles, xprof_session_id="1")
     >>> plan.bundle_indices, plan.hosts
-    ([4, 5, 6, 7, 0, 1, 2, 3], ['10.0.0.1', '10.0.0.2'])
+    ((4, 5, 6, 7, 0, 1, 2, 3), ('10.0.0.1', '10.0.0.2'))
     >>> plan.worker_env(5)["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[5]
     '10.0.0.2:8071'
 """
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ray_train_tpu import constants as C
-from ray_train_tpu.launch_env import launch_env
+from ray_train_tpu.launch_env import launch_env, reconcile
 from ray_train_tpu.topology import Topology
 
 
@@ -126,3 +126,80 @@ def check_worker_place(plan: SlicePlan, rank: int, *, worker_id: str | None, sli
             f"{plan.topology} is {plan.slice_name}/w{want_w} chip {want_chip} ({C.TPU_WORKER_ID} order); "
             "the slice's ranks would not match its devices"
         )
+
+
+# What vllm-torchtpu's Ray executor gives every worker of a slice itself
+# (``vllm_torchtpu/executors/ray_distributed_executor_v2.py``, step 7), all of
+# which `launch_env` computes too: on a TPU they must agree, or the worker
+# would join another slice (or the right slice at the wrong rank).
+ENGINE_SET_KEYS: tuple[str, ...] = (
+    C.TORCH_TPU_SLICEBUILDER_ADDRESSES,
+    C.TORCH_TPU_TOPOLOGY,
+    C.NNODES,
+    C.NODE_RANK,
+    C.MASTER_ADDR,
+    C.LOCAL_WORLD_SIZE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnv:
+    """What a vLLM worker's environment becomes before its device starts."""
+
+    set: dict  # variables to set
+    unset: tuple  # job variables the host carries that this slice must not see
+
+
+def slice_worker_env(plan: SlicePlan, rank: int, *, local_rank: int, chips: Sequence[int],
+                     host_env: Mapping[str, str], engine_env: Mapping[str, str], simulated: bool) -> WorkerEnv:
+    """The env/place check every vLLM worker of a slice runs before its device
+    starts, the same in simulation and on TPUs (``SliceWorkerProc``).
+
+    Raises RuntimeError unless worker `rank` runs where the plan puts it (its
+    host's ``TPU_NAME``/``TPU_WORKER_ID`` in `host_env`, the one chip Ray gave
+    it in `chips`), its `local_rank` (which torch_tpu turns into the chip it
+    opens) is that chip, and, on a TPU, every variable of `ENGINE_SET_KEYS` that
+    the engine's executor set (`engine_env`) equals `launch_env`'s. In
+    simulation the worker is given `launch_env`'s whole environment (vLLM's
+    CPU platform sets none of it). Either way a job variable the host still
+    carries from another job (``MEGASCALE_*``) is removed.
+
+    Example:
+        >>> from ray_train_tpu.topology import Topology
+        >>> t = Topology.parse("2x2x1", "TPU-V4")
+        >>> plan = plan_slice(t, [BundlePlace(index=i, node_id="n", node_ip="10.0.0.1", slice_name="s",
+        ...                                   worker_id=0, chip=3 - i) for i in range(4)], xprof_session_id="1")
+        >>> host = {"TPU_NAME": "s", "TPU_WORKER_ID": "0", "MEGASCALE_PORT": "8081"}
+        >>> env = slice_worker_env(plan, 2, local_rank=2, chips=[2], host_env=host, engine_env={}, simulated=True)
+        >>> env.set["TORCH_TPU_SLICEBUILDER_ADDRESSES"], env.set["LOCAL_RANK"], env.unset
+        ('10.0.0.1:8070,10.0.0.1:8071,10.0.0.1:8072,10.0.0.1:8073', '2', ('MEGASCALE_PORT',))
+        >>> slice_worker_env(plan, 2, local_rank=1, chips=[2], host_env=host, engine_env={}, simulated=True)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: vLLM worker rank 2 has local rank 1 but holds chip 2 of its host; torch_tpu would open chip 1
+    """
+    check_worker_place(plan, rank, worker_id=host_env.get(C.TPU_WORKER_ID), slice_name=host_env.get(C.TPU_NAME),
+                       chips=chips)
+    chip = plan.place(rank)[1]
+    if int(local_rank) != chip:
+        raise RuntimeError(
+            f"vLLM worker rank {rank} has local rank {local_rank} but holds chip {chip} of its host; "
+            f"torch_tpu would open chip {local_rank}"
+        )
+    ours = plan.worker_env(rank)
+    unset = reconcile(ours, host_env, {}).unset
+    if simulated:
+        return WorkerEnv(set=ours, unset=unset)
+    wrong = {k: (engine_env.get(k), ours[k]) for k in ENGINE_SET_KEYS if _norm(k, engine_env.get(k)) != _norm(k, ours[k])}
+    if wrong:
+        raise RuntimeError(
+            f"vLLM worker rank {rank} of slice {plan.slice_name} was given an environment that does not "
+            f"describe its slice ({plan.topology}, hosts {list(plan.hosts)}): "
+            + "; ".join(f"{k}={got!r}, expected {want!r}" for k, (got, want) in wrong.items())
+        )
+    return WorkerEnv(set={}, unset=unset)
+
+
+def _norm(key: str, value: str | None) -> str | None:
+    # torch_tpu reads "2x2x2" and "2,2,2" alike (vllm-torchtpu normalises to commas).
+    return value.replace("x", ",") if key == C.TORCH_TPU_TOPOLOGY and value else value

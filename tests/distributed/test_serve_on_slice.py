@@ -1,13 +1,21 @@
-"""Ray Serve LLM's own vLLM engine across a whole simulated slice.
+"""Ray Serve LLM's own vLLM engine across a whole simulated slice, and
+vllm-torchtpu's own Ray executor on the other one.
 
-A simulated v4 2x2x2 slice (2 hosts x 4 chips) and one OpenAI app for the
-module: a tiny random-initialised Llama (8 heads, float32) spread over all 8
-devices (TP=8, one vLLM worker per chip, gloo), compared token for token with
-the same model in vLLM on one worker, offline. SmolLM2 answers for real in
+Two simulated v4 2x2x2 slices (2 hosts x 4 chips each) and one OpenAI app for
+the module on one of them: a tiny random-initialised Llama (8 heads, 2 layers,
+float32) spread over the 8 devices as TP 4 x PP 2 (tensor parallel on each
+host, the two pipeline stages on the two hosts; one vLLM worker per chip,
+gloo) in vLLM's compiled mode (the mode the config allows for pipeline
+parallelism in simulation), compared token for token with the same model in
+vLLM on one worker, offline. On the second slice, vllm-torchtpu 0.29.0's Ray
+executor (fetched from PyPI) starts its workers with our hooks, its TPU
+workers replaced by recorders. SmolLM2 answers for real in
 test_serve_replicas.py.
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -24,10 +32,13 @@ from ray_train_tpu.topology import Topology
 pytestmark = pytest.mark.distributed
 
 TOPOLOGY, ACCEL, MODEL_ID = "2x2x2", "TPU-V4", "tiny8"
+TP, PP = 4, 2
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Paris is the capital of"
 MAX_TOKENS = 12
-ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20}
+# Compiled (no enforce_eager): pipeline parallelism in eager mode cannot serve on
+# vLLM's CPU backend, and build_llm_config refuses it (tests/unit/test_serve_config.py).
+ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20}
 
 _OFFLINE = """
 import json, sys
@@ -42,6 +53,36 @@ print("RESULT " + json.dumps({"chat": list(chat.token_ids), "chat_text": chat.te
 """
 
 
+class OfflineReference:
+    """A script (vLLM offline, or vllm-torchtpu's executor) in a process of its
+    own, started at once and read when needed: it runs while the cluster and
+    the app start."""
+
+    def __init__(self, code: str, arg, log_dir):
+        env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        self.out, self.err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(arg)], stdout=self.out,
+                                     stderr=self.err, text=True, env=env)
+        self._result = None
+
+    def result(self):
+        if self._result is None:
+            self.proc.wait(timeout=900)
+            self.out.seek(0)
+            self.err.seek(0)
+            lines = [line for line in self.out.read().splitlines() if line.startswith("RESULT ")]
+            assert self.proc.returncode == 0 and lines, self.err.read()[-3000:]
+            self._result = json.loads(lines[-1][len("RESULT "):])
+        return self._result
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from ray_train_tpu.serve import save_tiny_model
@@ -51,26 +92,37 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_worker(model_dir):
-    """Greedy tokens of the same model in vLLM on one worker (offline, no Ray)."""
-    import os
-
-    env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    arg = json.dumps([model_dir, MESSAGES, PROMPT, MAX_TOKENS, ENGINE])
-    out = subprocess.run([sys.executable, "-c", _OFFLINE, arg], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+def reference(model_dir, tmp_path_factory):
+    """Greedy tokens of the same model in vLLM on one worker, offline."""
+    ref = OfflineReference(_OFFLINE, [model_dir, MESSAGES, PROMPT, MAX_TOKENS, ENGINE],
+                           tmp_path_factory.mktemp("reference"))
+    yield ref
+    ref.close()
 
 
 @pytest.fixture(scope="module")
-def sim(single_worker):  # the reference first: it needs memory the app will hold
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL) as cluster:
+def single_worker(reference):
+    return reference.result()
+
+
+@pytest.fixture(scope="module")
+def sim(reference):  # the reference starts first, and runs while the cluster and the app start
+    with simulated_tpu_cluster(TOPOLOGY, ACCEL, num_slices=2) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def base_url(sim, model_dir):
+def torchtpu_run(sim, tmp_path_factory):
+    """vllm-torchtpu's executor on a free slice (see `_TORCHTPU`), started before
+    the app and run while it starts."""
+    run = OfflineReference(_TORCHTPU, {"address": sim.address, "topology": TOPOLOGY, "accelerator_type": ACCEL},
+                           tmp_path_factory.mktemp("torchtpu"))
+    yield run
+    run.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(sim, model_dir, torchtpu_run):
     from ray import serve
 
     from ray_train_tpu.serve import build_llm_config, build_openai_app
@@ -78,7 +130,8 @@ def base_url(sim, model_dir):
     port = free_port()
     # Multi-node simulated cluster: one proxy, on the head, on a free loopback port.
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    config = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id=MODEL_ID, engine_kwargs=ENGINE)
+    config = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id=MODEL_ID, engine_kwargs=ENGINE,
+                              tensor_parallel_size=TP, pipeline_parallel_size=PP)
     t0 = time.monotonic()
     serve.run(build_openai_app([config]), name="llm", route_prefix="/")
     print(f"app up in {time.monotonic() - t0:.0f} s")
@@ -111,21 +164,34 @@ def _pgs(state=None) -> list:
     return [pg for pg in table if state is None or pg["state"] == state]
 
 
+def _rank(name: str) -> int:
+    """vLLM's rank from its worker actor's name, ``vllm_Worker_<id>_TP<t>_PP<p>``."""
+    parts = dict(re.findall(r"_(TP|PP)(\d+)", name))
+    return int(parts.get("PP", 0)) * TP + int(parts.get("TP", 0))
+
+
 def _vllm_workers() -> list:
-    """vLLM's Ray workers (actors named ``vllm_Worker_<id>_TP<rank>``), with their host."""
+    """vLLM's Ray workers, with their host."""
     from ray.util.state import list_actors
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return [{"rank": int(a.name.rsplit("TP", 1)[1]), "ip": ips[a.node_id]}
+    return [{"rank": _rank(a.name), "ip": ips[a.node_id]}
             for a in actors if (a.name or "").startswith("vllm_Worker_")]
+
+
+def _serving_slice(sim) -> int:
+    ips = {w["ip"] for w in _vllm_workers()}
+    (slice_id,) = {s for (s, _), ip in sim.hosts.items() if ip in ips}
+    return slice_id
 
 
 def test_every_host_holds_workers_in_tpu_worker_id_order(sim, base_url):
     workers = sorted(_vllm_workers(), key=lambda w: w["rank"])
     assert [w["rank"] for w in workers] == list(range(8))
-    hosts = [sim.hosts[(0, w)] for w in range(2)]
-    # Rank r on TPU worker r // 4: torch_tpu's order, whatever Ray's bundle order was.
+    hosts = [sim.hosts[(_serving_slice(sim), w)] for w in range(2)]
+    # Rank r on TPU worker r // 4 (pipeline stage r // 4, TP rank r % 4): torch_tpu's
+    # order, whatever Ray's bundle order was; one slice, never both.
     assert [w["ip"] for w in workers] == [hosts[r // 4] for r in range(8)]
     created = [pg for pg in _pgs("CREATED") if any(b.get("TPU") for b in pg["bundles"].values())]
     assert len(created) == 1 and [b["TPU"] for b in created[0]["bundles"].values()] == [1] * 8
@@ -137,7 +203,7 @@ def test_workers_got_the_launch_env(sim, base_url):
     handle = serve.get_deployment_handle(f"LLMServer:{MODEL_ID}", app_name="llm")
     described = handle.collective_rpc.remote(method="slice_env", timeout=60).result(timeout_s=120)
     topo = Topology.parse(TOPOLOGY, ACCEL)
-    hosts = [sim.hosts[(0, w)] for w in range(2)]
+    hosts = [sim.hosts[(_serving_slice(sim), w)] for w in range(2)]
     assert sorted(d["rank"] for d in described) == list(range(8))
     session = described[0]["env"]["TORCH_TPU_XPROF_SESSION_ID"]
     for d in described:
@@ -199,10 +265,108 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status):
     assert int(error["code"]) == status
 
 
+# Runs in a process of its own (torch_tpu registers the "tpu" device on import):
+# vllm-torchtpu 0.29.0's RayDistributedExecutorV2, imported from the wheel with jax
+# replaced, starts one worker per chip of a slice we reserve and lay out as a
+# replica does, on this cluster, with our hooks installed; only its TPU worker
+# (vLLM's RayWorkerProc, whose device would start) is a recorder, which runs our
+# worker check as SliceWorkerProc does, on the environment their executor computed.
+_TORCHTPU = """
+import json, sys, types
+cfg = json.loads(sys.argv[1])
+import ray
+from ray_train_tpu.testing.simulated_cluster import HEAD_IP
+ray.init(address=cfg["address"], _node_ip_address=HEAD_IP, logging_level="ERROR")
+from ray_train_tpu.serve import _torchtpu_source
+executor = _torchtpu_source.import_executor(_torchtpu_source.source_dir())
+from ray.util.tpu import SlicePlacementGroup
+from ray_train_tpu._compat import vllm_torchtpu as T
+from ray_train_tpu.serve import platforms
+from ray_train_tpu.serve._layout import lay_out
+from ray_train_tpu.topology import Topology
+
+class RecordingProc:  # in place of vLLM's RayWorkerProc, which would start a TPU worker
+    READY_STR = "READY"
+    def __init__(self, vllm_config, rank, input_shm_handle, is_driver_worker, is_driver_node=False):
+        self.rank = rank
+    def get_node_and_physical_gpu_ids(self):
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), [int(c) for c in ctx.get_accelerator_ids()["TPU"]]
+    def create_dist_init_method(self):
+        return "tcp://" + ray.util.get_node_ip_address() + ":29400"
+    def initialize_worker(self, local_rank, env_vars, distributed_init_method, driver_env_vars=None,
+                          assigned_physical_gpu_ids=None):
+        from ray_train_tpu import _environ
+        from ray_train_tpu.serve.worker_check import slice_worker_setup
+        engine_env = {**(driver_env_vars or {}), **_environ.copy(), **env_vars}
+        extra = slice_worker_setup(self.rank, local_rank, engine_env, simulated=False)
+        self.got = {"rank": self.rank, "local_rank": local_rank, "env": env_vars, "extra": extra,
+                    "ip": ray.util.get_node_ip_address()}
+    def wait_for_init(self):
+        return {"status": "recorded"}
+    def report(self):
+        return self.got
+
+topo = Topology.parse(cfg["topology"], cfg["accelerator_type"])
+handle = SlicePlacementGroup(topology=topo.name, accelerator_version=topo.accelerator_type,
+                             resources_per_bundle={"TPU": 1}, strategy="SPREAD")
+plan = lay_out(handle.placement_group, topo)
+import os
+os.environ["TORCH_TPU_TOPOLOGY"] = topo.torch_tpu_topology  # as build_llm_config gives a replica on TPUs
+cls = executor.RayDistributedExecutorV2
+theirs = cls._slice_host_layout(None, "TPU")
+T.confine_executor(cls, platforms._engine_slice_layout)
+confined = cls._slice_host_layout(None, "TPU")
+import vllm.v1.executor.ray_executor_v2 as v2
+v2.RayWorkerProc = RecordingProc
+pc = types.SimpleNamespace(
+    world_size=topo.num_devices, tensor_parallel_size=topo.num_devices, pipeline_parallel_size=1,
+    prefill_context_parallel_size=1, data_parallel_size=1, data_parallel_index=0, nnodes_within_dp=1,
+    local_world_size=topo.num_devices, placement_group=handle.placement_group, ray_runtime_env=None,
+    ray_workers_use_nsight=False, enable_expert_parallel=False)
+ex = object.__new__(cls)
+ex.vllm_config, ex.parallel_config = types.SimpleNamespace(parallel_config=pc, instance_id="probe"), pc
+try:
+    ex._init_executor()
+    stopped = None
+except RuntimeError as e:
+    stopped = str(e)
+workers = ray.get([h.actor.report.remote() for h in ex.ray_worker_handles])
+print("RESULT " + json.dumps({"plan": plan.to_json(), "theirs": theirs, "confined": confined,
+                              "stopped": stopped, "workers": workers}))
+handle.shutdown()
+"""
+
+
+def test_vllm_torchtpu_executor_with_our_hooks_gives_each_worker_launch_env(sim, base_url, torchtpu_run):
+    """vllm-torchtpu's own executor code: unconfined it takes every TPU node of the
+    cluster as the slice (here both slices, one of them serving); confined by our
+    plugin, the environment it computes for each worker is launch_env's, and our
+    worker check passes in every worker."""
+    from ray_train_tpu.serve.slice_plan import ENGINE_SET_KEYS, SlicePlan
+
+    got = torchtpu_run.result()
+    plan = SlicePlan.from_json(got["plan"])
+    every_host = sorted(sim.hosts.values())
+    assert sorted(got["theirs"][0]) == every_host and len(every_host) == 4  # the problem: two slices mixed
+    assert got["confined"] == [list(plan.hosts), {ip: 4 for ip in plan.hosts}]
+    free = 1 - _serving_slice(sim)  # it ran while the app started: never on the app's slice
+    assert list(plan.hosts) == [sim.hosts[(free, w)] for w in range(2)]
+    assert got["stopped"] and "recorded" in got["stopped"]  # stopped where a TPU worker would start
+    topo = Topology.parse(TOPOLOGY, ACCEL)
+    assert sorted(w["rank"] for w in got["workers"]) == list(range(8))
+    for w in got["workers"]:
+        ours = launch_env(topo, list(plan.hosts), rank=w["rank"], xprof_session_id="any")
+        theirs = {k: w["env"][k].replace("x", ",") for k in ENGINE_SET_KEYS}
+        assert theirs == {k: ours[k] for k in ENGINE_SET_KEYS}, w
+        assert w["ip"] == plan.hosts[w["rank"] // 4] and w["local_rank"] == w["rank"] % 4
+        assert w["extra"] == {}  # on a TPU vllm-torchtpu's values stand, once checked
+
+
 def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     from ray import serve
 
-    from ray_train_tpu.serve._ray_llm import TELEMETRY_ACTOR_CLASS
+    from ray_train_tpu._compat.ray_llm import TELEMETRY_ACTOR_CLASS
 
     assert len(_vllm_workers()) == 8 and _pgs("CREATED")  # there is something to tear down
     serve.shutdown()

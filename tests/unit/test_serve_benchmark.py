@@ -39,3 +39,42 @@ def test_summary_ratios_and_goals_at_the_highest_concurrency():
 def test_prompts_differ():
     texts = st.prompts(40)
     assert len(set(texts)) == 40
+
+
+# --- benchmarks/batch_throughput.py -------------------------------------------------
+
+from benchmarks import batch_throughput as bt  # noqa: E402
+
+
+def test_batch_benchmark_defaults_and_bad_arguments(capsys):
+    args = bt.parse_args([])
+    assert (args.num_slices, args.topology, args.model, args.prompts) == (2, "1x1", "smollm2", 400)
+    for argv in (["--num-slices", "0"], ["--max-tokens", "0"], ["--prompts", "7"]):
+        with pytest.raises(SystemExit) as e:
+            bt.parse_args(argv)
+        assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_batch_rate_counts_only_while_every_engine_works():
+    # slice a answers alone for 10 s (its engine started first), then both, 1 row/s each.
+    arrivals = [(float(t), "a", 4) for t in range(10)] + [(10.0, "b", 4)]
+    arrivals += [(10.0 + i / 2, "ab"[i % 2], 4) for i in range(1, 21)]
+    rate = bt.steady_rate(arrivals, num_slices=2)
+    assert rate["rows"] == 20 and rate["wall_s"] == pytest.approx(10.0)
+    assert rate["rows_per_s"] == pytest.approx(2.0) and rate["tokens_per_s"] == pytest.approx(8.0)
+    assert bt.steady_rate([(0.0, "a", 1), (1.0, "a", 1)], num_slices=2)["rows_per_s"] is None
+
+
+def _run(rows_per_s, tokens_per_s):
+    part = {"rows_per_s": rows_per_s, "tokens_per_s": tokens_per_s}
+    return {"job": part, "steady": dict(part)}
+
+
+def test_batch_summary_is_the_median_pair_ratio_of_the_whole_job():
+    pairs = [(_run(9.5, 300.0), _run(10.0, 320.0)), (_run(8.0, 280.0), _run(10.0, 300.0)),
+             (_run(12.0, 330.0), _run(10.0, 300.0))]
+    s = bt.summarize(pairs)
+    assert s["job_batch_vs_offline_rows_per_s"] == pytest.approx(0.95)  # median of 0.8, 0.95, 1.2
+    assert s["job_rows_per_s_ratios"] == pytest.approx([0.8, 0.95, 1.2]) and s["meets_goal"]
+    s = bt.summarize(pairs[:2])  # even count: the mean of the middle two
+    assert s["job_batch_vs_offline_rows_per_s"] == pytest.approx(0.875) and not s["meets_goal"]

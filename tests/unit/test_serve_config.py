@@ -10,10 +10,7 @@ import sys
 
 import pytest
 
-from ray_train_tpu.launch_env import launch_env
 from ray_train_tpu.serve import platforms as P
-from ray_train_tpu.serve.slice_plan import BundlePlace, plan_slice
-from ray_train_tpu.topology import Topology
 
 TINY = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 2,
         "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -50,7 +47,7 @@ def test_llm_config_is_the_stock_vllm_engine_on_one_whole_slice_per_replica(mode
     assert config.server_cls is None or config.server_cls is LLMServer  # Ray's own server and engine
     assert config.accelerator_type == "TPU-V4"
     assert (config.accelerator_config.kind, config.accelerator_config.topology) == ("tpu", "2x2x2")
-    assert config.placement_group_config == {"bundle_per_worker": {"TPU": 1}}
+    assert config.placement_group_config == {"bundle_per_worker": {"TPU": 1}, "strategy": "SPREAD"}
     kw = config.engine_kwargs
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"], kw["distributed_executor_backend"]) == (8, 1, "ray")
     assert config.deployment_config["num_replicas"] == 2
@@ -72,6 +69,8 @@ def test_real_tpu_config_path_asks_vllm_torchtpu_for_its_ray_executor(model_dir)
     # vllm_torchtpu/platforms/tpu_platform.py: TPU_MULTIHOST_BACKEND=ray and the V2
     # flag select vllm_torchtpu/executors/ray_distributed_executor_v2.py.
     assert env["TPU_MULTIHOST_BACKEND"] == "ray" and env["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] == "1"
+    # vllm-torchtpu takes TORCH_TPU_TOPOLOGY before its own table by world size.
+    assert env["TORCH_TPU_TOPOLOGY"] == "4,4,1"
     assert "RAY_TRAIN_TPU_SIMULATE" not in env and "GLOO_SOCKET_IFNAME" not in env
     assert (config.engine_kwargs["tensor_parallel_size"], config.engine_kwargs["pipeline_parallel_size"]) == (8, 2)
     assert "kv_cache_memory_bytes" not in config.engine_kwargs
@@ -130,40 +129,22 @@ def test_a_tpu_host_without_vllm_torchtpu_gets_a_clear_error():
     assert sim.stdout.split()[-2:] == ["cpu", "TPU"], sim.stderr[-2000:]
 
 
-def _plan():
-    topo = Topology.parse("2x2x2", "TPU-V4")
-    places = [BundlePlace(index=i, node_id=f"n{i % 2}", node_ip=f"10.0.0.{9 - i % 2}", slice_name="s",
-                          worker_id=i % 2, chip=i // 2) for i in range(8)]
-    return topo, plan_slice(topo, places, xprof_session_id="3")
+def test_general_plugin_starts_vllm_workers_in_our_worker_proc(monkeypatch):
+    """vLLM loads the plugin in every process; its Ray executors (V2) then start
+    every worker in SliceWorkerProc. vllm-torchtpu is not installed here
+    (Python 3.11): no import of it is attempted."""
+    import vllm.v1.executor.ray_executor_v2 as v2
 
+    from ray_train_tpu._compat import vllm as V
+    from ray_train_tpu.serve._worker_proc import SliceWorkerProc
 
-def test_vllm_torchtpu_executor_is_confined_to_the_replicas_slice(monkeypatch):
-    """vllm_torchtpu/executors/ray_distributed_executor_v2.py builds the slice from
-    every TPU node in ray.nodes(); our general plugin makes it read the plan."""
-    topo, plan = _plan()
-
-    class FakeExecutor:  # the method we replace, as vllm-torchtpu 0.29.0 spells it
-        def _slice_host_layout(self, device_str):
-            return ["every", "tpu", "node"], {}
-
-    P.confine_torchtpu_executor(FakeExecutor)
-    P.confine_torchtpu_executor(FakeExecutor)  # idempotent
-    monkeypatch.delenv(P.SLICE_PLAN_ENV, raising=False)
-    assert FakeExecutor()._slice_host_layout("TPU") == (["every", "tpu", "node"], {})
-    monkeypatch.setenv(P.SLICE_PLAN_ENV, plan.to_json())
-    hosts, chips_per_host = FakeExecutor()._slice_host_layout("TPU")
-    assert hosts == ["10.0.0.9", "10.0.0.8"] and chips_per_host == {"10.0.0.9": 4, "10.0.0.8": 4}
-    # vllm-torchtpu's own address formula (same file, step 7) over that layout is
-    # launch_env's TORCH_TPU_SLICEBUILDER_ADDRESSES: one convention, two code paths.
-    theirs = ",".join(f"{ip}:{8070 + chip}" for ip in hosts for chip in range(chips_per_host[ip]))
-    ours = launch_env(topo, hosts, rank=0, xprof_session_id="3")
-    assert theirs == ours["TORCH_TPU_SLICEBUILDER_ADDRESSES"]
-    assert {i: ip for i, ip in enumerate(hosts)}[0] == ours["MASTER_ADDR"]  # their master: host_order[0]
-
-
-def test_general_plugin_does_nothing_without_vllm_torchtpu(monkeypatch):
+    monkeypatch.setattr(v2, "RayWorkerProc", V.original_worker_proc())
     monkeypatch.delenv("RAY_TRAIN_TPU_SIMULATE", raising=False)
-    P.vllm_general_plugin()  # vllm-torchtpu is not installed here (Python 3.11): no import attempted
+    P.vllm_general_plugin()
+    assert v2.RayWorkerProc is SliceWorkerProc
+    P.vllm_general_plugin()  # idempotent
+    assert v2.RayWorkerProc is SliceWorkerProc and issubclass(SliceWorkerProc, V.original_worker_proc())
+    assert "vllm_torchtpu" not in sys.modules
 
 
 def test_serve_cli_prints_the_llm_config_as_json(model_dir):
@@ -182,5 +163,72 @@ def test_serve_cli_prints_the_llm_config_as_json(model_dir):
     assert config["engine_kwargs"]["tensor_parallel_size"] == 8
     assert config["engine_kwargs"]["max_model_len"] == 256
     assert config["deployment_config"] == {"num_replicas": 2}
+    assert config["placement_group_config"]["strategy"] == "SPREAD"  # two hosts, pinned to one slice
     assert config["model_loading_config"]["model_id"] == "tiny"
     assert config["callback_config"]["callback_kwargs"] == {"topology": "2x2x2", "accelerator_type": "TPU-V4"}
+
+
+def test_autoscaling_counts_slices_and_never_beside_num_replicas(model_dir):
+    from ray_train_tpu.serve import build_llm_config
+
+    config = build_llm_config(model_dir, "2x2x2", "v4", simulate=True,
+                              autoscaling_config={"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 5})
+    deployment = config.deployment_config  # Ray's LLMConfig validated it as a Serve DeploymentConfig
+    assert "num_replicas" not in deployment
+    assert deployment["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 5,
+                                                "target_ongoing_requests": 16}
+    # Ray Serve LLM's builder keeps it (its own default target, 1e9, would never scale).
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    options = build_llm_deployment(config)._bound_deployment._deployment_config
+    assert (options.autoscaling_config.min_replicas, options.autoscaling_config.max_replicas) == (1, 3)
+    assert options.autoscaling_config.target_ongoing_requests == 16
+    same = build_llm_config(model_dir, "2x2x2", "v4", simulate=True,
+                            deployment_config={"autoscaling_config": {"max_replicas": 2}})
+    assert same.deployment_config["autoscaling_config"]["max_replicas"] == 2
+    for kwargs, words in [
+        ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "num_replicas 2 and autoscaling_config"),
+        ({"deployment_config": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}}, "both given"),
+        ({"autoscaling_config": {"min_replicas": 2, "max_replicas": 1}}, "max_replicas 1 must be >= min_replicas 2"),
+        ({"autoscaling_config": {"min_replicas": 1}}, "max_replicas None must be an integer"),
+        ({"autoscaling_config": {"min_replicas": -1, "max_replicas": 1}}, "min_replicas -1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            build_llm_config(model_dir, "2x2x2", "v4", simulate=True, **kwargs)
+
+
+def test_engine_metrics_and_lora_pass_through(model_dir):
+    from ray_train_tpu.serve import build_llm_config
+
+    plain = build_llm_config(model_dir, "2x2x2", "v4", simulate=True)
+    assert plain.log_engine_metrics is False and plain.lora_config is None
+    config = build_llm_config(model_dir, "2x2x2", "v4", simulate=True, log_engine_metrics=True,
+                              lora_config={"dynamic_lora_loading_path": "gs://bucket/adapters",
+                                           "max_num_adapters_per_replica": 2})
+    assert config.log_engine_metrics is True
+    assert config.lora_config.dynamic_lora_loading_path == "gs://bucket/adapters"
+    assert config.lora_config.max_num_adapters_per_replica == 2
+    assert config.engine_kwargs["enable_lora"] is True
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs, cause",
+    [
+        ({"enforce_eager": True}, "enforce_eager=True"),
+        ({"compilation_config": {"mode": 0}}, "compilation mode 0"),
+        ({"enable_lora": True}, "LoRA"),
+    ],
+)
+def test_pipeline_parallel_modes_that_cannot_serve_are_refused_by_name(model_dir, engine_kwargs, cause):
+    from ray_train_tpu.serve import build_llm_config
+
+    with pytest.raises(ValueError, match=f"pipeline_parallel_size 2 with {cause}.*cannot serve"):
+        build_llm_config(model_dir, "2x2x2", "v4", simulate=True, pipeline_parallel_size=2,
+                         engine_kwargs=engine_kwargs)
+    # The same engine without pipeline parallelism, or compiled, can serve.
+    assert build_llm_config(model_dir, "2x2x2", "v4", simulate=True, engine_kwargs=engine_kwargs)
+    compiled = build_llm_config(model_dir, "2x2x2", "v4", simulate=True, pipeline_parallel_size=2)
+    assert compiled.engine_kwargs["pipeline_parallel_size"] == 2
+    # vllm-torchtpu is not vLLM's CPU backend: not refused there (untested on TPUs).
+    assert build_llm_config(model_dir, "2x2x2", "v4", simulate=False, pipeline_parallel_size=2,
+                            engine_kwargs=engine_kwargs)

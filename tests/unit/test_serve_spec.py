@@ -12,7 +12,14 @@ from ray_train_tpu.cli import main
 from ray_train_tpu.launch_env import launch_env
 from ray_train_tpu.serve import ModelShape, SliceServeSpec, size_parallelism, smollm2_gguf
 from ray_train_tpu.serve.models import split_source
-from ray_train_tpu.serve.slice_plan import BundlePlace, SlicePlan, check_worker_place, plan_slice
+from ray_train_tpu.serve.slice_plan import (
+    ENGINE_SET_KEYS,
+    BundlePlace,
+    SlicePlan,
+    check_worker_place,
+    plan_slice,
+    slice_worker_env,
+)
 from ray_train_tpu.topology import GENERATIONS, Topology, valid_topologies
 
 SMOLLM2 = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, source="smollm2")
@@ -149,6 +156,66 @@ def test_a_worker_that_vllm_put_elsewhere_is_refused():
         check_worker_place(plan, 5, worker_id="0", slice_name="s0", chips=["1"])
     with pytest.raises(RuntimeError, match="rank 5"):
         check_worker_place(plan, 5, worker_id="1", slice_name="s0", chips=["1", "2"])
+
+
+def _engine_env(plan: SlicePlan, rank: int) -> dict:
+    """What vllm-torchtpu's executor gives rank `rank` when it sees the plan's slice."""
+    ours = plan.worker_env(rank)
+    return {**{k: ours[k] for k in ENGINE_SET_KEYS}, "TORCH_TPU_TOPOLOGY": "2x2x2", "MASTER_PORT": "41234"}
+
+
+def test_every_worker_checks_its_place_and_environment_before_its_device_starts():
+    topo = Topology.parse("2x2x2", "TPU-V4")
+    plan = plan_slice(topo, _places(topo, [(w, c) for w in range(2) for c in range(4)]), xprof_session_id="1")
+    host = {"TPU_NAME": "s0", "TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "3"}  # a gone job's variable
+    # Simulated: vLLM's CPU platform sets nothing; the worker gets launch_env's environment.
+    sim = slice_worker_env(plan, 5, local_rank=1, chips=[1], host_env=host, engine_env={}, simulated=True)
+    assert sim.set == plan.worker_env(5) and sim.unset == ("MEGASCALE_SLICE_ID",)
+    # TPU: vllm-torchtpu's own values stand once they match launch_env's (its port is its own).
+    tpu = slice_worker_env(plan, 5, local_rank=1, chips=[1], host_env=host, engine_env=_engine_env(plan, 5),
+                           simulated=False)
+    assert tpu.set == {} and tpu.unset == ("MEGASCALE_SLICE_ID",)
+    # ... and fail by name when they describe another slice (every TPU node of two slices).
+    wrong = {**_engine_env(plan, 5), "NNODES": "4", "TORCH_TPU_SLICEBUILDER_ADDRESSES": "a:8070"}
+    with pytest.raises(RuntimeError, match="rank 5 of slice s0.*SLICEBUILDER_ADDRESSES='a:8070'.*NNODES='4', expected '2'"):
+        slice_worker_env(plan, 5, local_rank=1, chips=[1], host_env=host, engine_env=wrong, simulated=False)
+    with pytest.raises(RuntimeError, match="local rank 2 but holds chip 1"):
+        slice_worker_env(plan, 5, local_rank=2, chips=[1], host_env=host, engine_env={}, simulated=True)
+    with pytest.raises(RuntimeError, match="rank 5 runs on s0/w0"):
+        slice_worker_env(plan, 5, local_rank=1, chips=[1], host_env={**host, "TPU_WORKER_ID": "0"},
+                         engine_env={}, simulated=True)
+
+
+def test_a_one_chip_engine_checks_its_chip_and_slice(monkeypatch):
+    import os
+
+    from ray_train_tpu.serve.worker_check import check_chip_engine
+
+    # A host that carries another job's multi-host slice: the engine must not join it.
+    for key, value in {"TPU_NAME": "rollout", "TPU_WORKER_ID": "1", "TPU_VISIBLE_CHIPS": "0",
+                       "TORCH_TPU_SLICEBUILDER_ADDRESSES": "h0:8070,h1:8070", "NNODES": "2",
+                       "MEGASCALE_NUM_SLICES": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert check_chip_engine(slice_name="rollout", chips=["0"]) == 0
+    assert not {"TORCH_TPU_SLICEBUILDER_ADDRESSES", "NNODES", "MEGASCALE_NUM_SLICES"} & set(os.environ)
+    assert os.environ["TPU_VISIBLE_CHIPS"] == "0" and os.environ["TPU_WORKER_ID"] == "1"  # Ray's and the host's
+
+    host = {"TPU_NAME": "rollout", "TPU_WORKER_ID": "1", "TPU_VISIBLE_CHIPS": "3"}
+    assert check_chip_engine(slice_name="rollout", chips=["3"], env=host) == 3
+    with pytest.raises(RuntimeError, match=r"holds TPU ids \['2', '3'\]"):
+        check_chip_engine(slice_name="rollout", chips=["2", "3"], env=host)
+    with pytest.raises(RuntimeError, match="meant for slice 'trainer' runs on slice 'rollout'"):
+        check_chip_engine(slice_name="trainer", chips=["3"], env=host)
+
+
+@pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan"])
+def test_doctests_of_the_pure_serving_modules_pass(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,101 @@
+"""Every touch of Ray's LLM internals (``ray.llm._internal``: Ray Serve LLM and
+Ray Data LLM), pinned to `constants.RAY_VERSION`.
+
+Serving (Ray Serve LLM):
+
+- `CallbackBase`: the base of Ray Serve LLM's replica callbacks
+  (``callback_config``); ``self.ctx.placement_group`` is the replica's slice
+  placement group, ``self.llm_config`` its config, ``self.ctx.run_init_node``
+  whether Ray downloads the model on every node first.
+- `OpenAiErrorsIngress`: Ray's OpenAI ingress (``OpenAiIngress``), except that an
+  unknown model gets an OpenAI-style error (Ray 2.60 raises a plain
+  ``HTTPException``, which FastAPI answers with ``{"detail": ...}``).
+- `TELEMETRY_ACTOR_CLASS`: Ray's detached usage-telemetry actor, which outlives
+  every app and batch job by design.
+
+Batch inference (Ray Data LLM, ``ray.data.llm.build_processor``):
+
+- `vLLMEngineStageUDF`: the class whose actors run the vLLM engine; we subclass it.
+- `engine_stage` / `place_engines`: the processor's vLLM stage, and where its
+  engine actors go. Ray's stage asks ``ray_remote_args_fn`` for the scheduling
+  strategy of every engine actor it starts (its own makes a GPU placement
+  group); ours reserves a whole TPU slice instead.
+
+Importing this module imports ``ray.serve.llm`` and so vLLM, which picks its
+platform on import (`ray_train_tpu.serve.platforms`): the driver needs
+``RAY_TRAIN_TPU_SIMULATE=1`` in simulation, vllm-torchtpu on a TPU host, and
+nothing on a CPU-only head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+
+TESTED_RAY_VERSION = C.RAY_VERSION
+
+# vLLM logs to stdout by default; ours go to stderr so that stdout stays data.
+_environ.update({
+    k: v for k, v in {C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items() if _environ.get(k) is None
+})
+
+import ray  # noqa: E402
+from fastapi import HTTPException  # noqa: E402
+from ray.data.llm import build_processor, vLLMEngineProcessorConfig  # noqa: E402
+from ray.llm._internal.batch.stages.vllm_engine_stage import (  # noqa: E402
+    vLLMEngineStage,
+    vLLMEngineStageUDF,
+)
+from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: E402
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException  # noqa: E402
+from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress  # noqa: E402
+from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
+
+__all__ = [
+    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "LLMConfig", "OpenAiErrorsIngress",
+    "build_openai_app", "build_processor", "engine_stage", "place_engines", "vLLMEngineProcessorConfig",
+    "vLLMEngineStageUDF",
+]
+
+TELEMETRY_ACTOR_CLASS = "TelemetryAgent"
+if ray.__version__ != TESTED_RAY_VERSION:
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "ray_train_tpu's Ray Serve LLM / Ray Data LLM seams were checked against Ray %s, found %s; "
+        "tests/unit/test_compat.py tells whether they still hold", TESTED_RAY_VERSION, ray.__version__)
+# Ray Data LLM names a processor's stages by class (``Processor._append_stage``).
+ENGINE_STAGE_NAME = vLLMEngineStage.__name__
+
+
+class OpenAiErrorsIngress(OpenAiIngress):
+    """Ray's OpenAI ingress, except that an unknown or missing model gets an
+    OpenAI-style error (``{"error": {...}}``)."""
+
+    async def _get_model_id(self, model):
+        try:
+            return await super()._get_model_id(model)
+        except HTTPException as e:
+            kind = "NotFoundError" if e.status_code == 404 else "BadRequestError"
+            raise OpenAIHTTPException(status_code=e.status_code, message=str(e.detail), type=kind) from None
+
+
+def engine_stage(processor: Any) -> Any:
+    """The vLLM engine stage of a Ray Data LLM processor."""
+    return processor.get_stage_by_name(ENGINE_STAGE_NAME)
+
+
+def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], dict], **udf_kwargs: Any) -> None:
+    """Run the processor's engines as `udf_cls` (a `vLLMEngineStageUDF`
+    subclass, given `udf_kwargs` too), each in the placement group that
+    `remote_args_fn` returns the scheduling strategy of. The engine actor itself
+    asks for no CPU: it runs in its slice, whose bundles hold only chips."""
+    if not issubclass(udf_cls, vLLMEngineStageUDF):
+        raise TypeError(f"{udf_cls!r} must subclass Ray Data LLM's vLLMEngineStageUDF")
+    stage = engine_stage(processor)
+    stage.fn = udf_cls
+    stage.fn_constructor_kwargs.update(udf_kwargs)
+    stage.map_batches_kwargs["ray_remote_args_fn"] = remote_args_fn
+    stage.map_batches_kwargs["num_cpus"] = 0

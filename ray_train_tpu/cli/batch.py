@@ -1,0 +1,116 @@
+"""``python -m ray_train_tpu batch``: prompts from a file through Ray Data LLM's
+vLLM engine, one engine per whole TPU slice; one JSON line out per prompt.
+
+    python -m ray_train_tpu batch --model /models/m --topology 4x4 --accelerator-type TPU-V6E \\
+        --num-slices 2 --input prompts.jsonl --output out.jsonl --max-tokens 128
+    python -m ray_train_tpu batch --model smollm2 --topology 1x1 --accelerator-type TPU-V6E \\
+        --num-slices 2 --input prompts.txt --output out.jsonl --simulate
+
+``--input``: JSON lines (one object per prompt; ``--prompt-column``, default
+``prompt``) or, for a ``.txt`` file, one prompt per line (column ``text``).
+Every output line is the input object plus ``generated_text``,
+``generated_token_ids``, ``num_input_tokens``, ``num_generated_tokens`` and
+``slice``; the order is not the input's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import TextIO
+
+ORDER = 95
+EXAMPLE = ("python -m ray_train_tpu batch --model smollm2 --topology 1x1 --accelerator-type TPU-V6E "
+           "--num-slices 2 --input prompts.txt --output out.jsonl --simulate")
+
+
+def register(subparsers, add_slice_args) -> None:
+    p = subparsers.add_parser("batch", help="batch inference on TPU slices (Ray Data LLM's vLLM engine)")
+    p.add_argument("--model", required=True, help="HF model directory or id, or 'smollm2' (packaged)")
+    add_slice_args(p)
+    p.add_argument("--input", required=True, help="prompts: .jsonl (objects) or .txt (one per line)")
+    p.add_argument("--output", required=True, help="output file (JSON lines)")
+    p.add_argument("--prompt-column", help="column of prompt texts (default: prompt; text for .txt)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--tensor-parallel-size", type=int, help="default: sized to the slice and the model")
+    p.add_argument("--pipeline-parallel-size", type=int, help="default: the slice's devices / TP")
+    p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, as JSON")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per batch sent to an engine (default 32)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    p.add_argument("--simulate", action="store_true",
+                   help="start a SIMULATED cluster with --num-slices slices (CPU) and run on it")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    from ray_train_tpu.serve.cli import _json_object, _model_source
+
+    if not os.path.isfile(args.input):
+        raise ValueError(f"--input {args.input!r} is not a file")
+    is_text = args.input.endswith(".txt")
+    if not (is_text or args.input.endswith((".jsonl", ".json"))):
+        raise ValueError(f"--input {args.input!r} must be a .jsonl file of objects or a .txt file of lines")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--output {args.output!r}: directory {out_dir!r} does not exist")
+    if args.simulate:
+        from ray_train_tpu import _environ
+        from ray_train_tpu import constants as C
+
+        _environ.update({C.RAY_TRAIN_TPU_SIMULATE: "1"})  # this process imports vLLM too
+    from ray_train_tpu.serve.batch import BatchConfig
+
+    source, _ = _model_source(args.model)
+    config = BatchConfig(
+        model=source, topology=args.topology, accelerator_type=args.accelerator_type,
+        num_slices=args.num_slices, prompt_column=args.prompt_column or ("text" if is_text else "prompt"),
+        max_tokens=args.max_tokens, temperature=args.temperature,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        engine_kwargs=_json_object("--engine-kwargs", args.engine_kwargs), batch_size=args.batch_size,
+        simulate=args.simulate,
+    )
+    from ray_train_tpu.cli import running
+
+    with running("batch inference"):
+        if args.simulate:
+            from ray_train_tpu.testing import simulated_tpu_cluster
+
+            spec = config.engine.spec
+            with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=args.num_slices):
+                return _run(config, args, is_text, out, simulated=True)
+        import ray
+
+        ray.init(address=args.address or "auto")
+        return _run(config, args, is_text, out, simulated=False)
+
+
+def _run(config, args, is_text: bool, out: TextIO, simulated: bool) -> int:
+    import ray
+
+    from ray_train_tpu.serve.batch import SliceBatchProcessor
+
+    ds = ray.data.read_text(args.input) if is_text else ray.data.read_json(args.input, lines=True)
+    t0, rows, tokens = time.monotonic(), 0, 0
+    tmp = args.output + ".partial"
+    with SliceBatchProcessor(config) as processor, open(tmp, "w") as f:
+        for row in processor(ds).iter_rows():
+            f.write(json.dumps(row, default=_plain) + "\n")
+            rows += 1
+            tokens += row["num_generated_tokens"]
+    os.replace(tmp, args.output)  # a failed run leaves no half-written output under the name
+    elapsed = time.monotonic() - t0
+    note = " (SIMULATED slices, CPU)" if simulated else ""
+    out.write(f"{rows} prompts, {tokens} generated tokens in {elapsed:.1f} s ({rows / elapsed:.2f} prompts/s, "
+              f"{tokens / elapsed:.1f} tokens/s) on {config.num_slices} x {config.engine.spec.topology}{note}; "
+              f"wrote {args.output}\n")
+    return 0
+
+
+def _plain(value):
+    tolist = getattr(value, "tolist", None)  # numpy values from Arrow
+    if tolist is None:
+        raise TypeError(f"cannot write {type(value).__name__} as JSON")
+    return tolist()

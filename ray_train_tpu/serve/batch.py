@@ -1,0 +1,269 @@
+"""Batch inference on TPU slices: a Ray Dataset of prompts through Ray Data
+LLM's vLLM processor (``ray.data.llm``), one engine per whole slice.
+
+Each engine owns one slice, one vLLM worker per device (TP x PP = the slice's
+devices, across its hosts), laid out as a serving replica is: per-chip
+bundles of Ray's ``SlicePlacementGroup``, ranks in TPU-worker-id order, every
+worker's environment checked before its device starts, the same vLLM platform
+plugin. As many engines as ``num_slices``; Ray Data spreads the batches over
+them and retries a batch whose engine died (the engine restarts on its slice).
+Every output row carries the input row's columns, ``generated_text``,
+``generated_token_ids``, ``num_input_tokens``, ``num_generated_tokens`` and
+``slice`` (the slice that served it).
+
+Example:
+    >>> import ray                                                        # doctest: +SKIP
+    >>> from ray_train_tpu.serve.batch import BatchConfig, run_batch
+    >>> config = BatchConfig(model="/models/Qwen2.5-0.5B-Instruct", topology="4x4",  # doctest: +SKIP
+    ...                      accelerator_type="TPU-V6E", num_slices=2, max_tokens=128)
+    >>> ds = ray.data.from_items([{"prompt": "The capital of France is"}])  # doctest: +SKIP
+    >>> run_batch(config, ds).take_all()[0]["generated_text"]            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import uuid
+from typing import Any, Mapping, Optional
+
+from ray_train_tpu import _validate as V
+from ray_train_tpu import constants as C
+from ray_train_tpu.serve.engine import SliceEngine, slice_engine, with_env
+from ray_train_tpu.serve.models import model_context_length
+
+logger = logging.getLogger(__name__)
+
+SLICE_COLUMN = "slice"
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens", SLICE_COLUMN)
+_WHERE = "BatchConfig"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """A batch inference job, checked before anything is reserved.
+
+    Args:
+        model: Hugging Face model directory (as every TPU host sees it) or id.
+        topology, accelerator_type: each engine's slice, e.g. ``"4x4"``, ``"TPU-V6E"``.
+        num_slices: engines, one whole slice each.
+        prompt_column: the dataset's column of prompt texts.
+        max_tokens, temperature: vLLM sampling; ``temperature=0`` is greedy.
+        sampling_params: more ``vllm.SamplingParams`` fields (``top_p``, ``seed``,
+            ``stop``, ...).
+        tensor_parallel_size, pipeline_parallel_size: default: sized to the slice.
+        engine_kwargs: more vLLM engine arguments (``max_model_len``, ``dtype``, ...).
+        batch_size: rows per Ray Data batch sent to an engine.
+        max_concurrent_batches: batches in flight per engine.
+        runtime_env: of the engines (our variables are added to ``env_vars``).
+        simulate: the simulated TPU platform (vLLM's CPU kernels, gloo);
+            default: ``RAY_TRAIN_TPU_SIMULATE=1`` in this process.
+    """
+
+    model: str
+    topology: str
+    accelerator_type: str
+    num_slices: int = 1
+    prompt_column: str = "prompt"
+    max_tokens: int = 64
+    temperature: float = 0.0
+    sampling_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tensor_parallel_size: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    batch_size: int = 32
+    max_concurrent_batches: int = 4
+    runtime_env: Optional[Mapping[str, Any]] = None
+    simulate: Optional[bool] = None
+
+    def __post_init__(self):
+        V.check_num_slices(_WHERE, self.num_slices)
+        V.check_int(_WHERE, "max_tokens", self.max_tokens, min=1)
+        V.check_number(_WHERE, "temperature", self.temperature, positive=False)
+        V.check_int(_WHERE, "batch_size", self.batch_size, min=1)
+        V.check_int(_WHERE, "max_concurrent_batches", self.max_concurrent_batches, min=1)
+        if not isinstance(self.prompt_column, str) or not self.prompt_column:
+            raise V.fail(_WHERE, "prompt_column", self.prompt_column, "a column name", error=TypeError)
+        clash = {"max_tokens", "temperature"} & set(self.sampling_params)
+        if clash:
+            raise ValueError(f"{_WHERE}(sampling_params=...) sets {sorted(clash)}; give them as "
+                             f"BatchConfig fields ({', '.join(f'{k}=' for k in sorted(clash))}) instead")
+        engine = slice_engine(self.model, self.topology, self.accelerator_type,
+                              tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              engine_kwargs=self.engine_kwargs, simulate=self.simulate)
+        context = engine.engine_kwargs.get("max_model_len") or model_context_length(self.model)
+        if context is not None and self.max_tokens >= context:
+            raise V.fail(_WHERE, "max_tokens", self.max_tokens,
+                         f"below the model's context of {context} tokens (the prompt needs at least one)",
+                         "lower max_tokens, or raise engine_kwargs max_model_len if the model allows it")
+        object.__setattr__(self, "_engine", engine)
+
+    @property
+    def engine(self) -> SliceEngine:
+        """The checked engine of every slice (TP x PP, engine arguments, environment)."""
+        return self._engine
+
+    @property
+    def sampling(self) -> dict:
+        return {**self.sampling_params, "max_tokens": self.max_tokens, "temperature": float(self.temperature)}
+
+
+class SliceBatchProcessor:
+    """Ray Data LLM's vLLM processor with one engine per slice of `config`.
+
+    Calling it on a dataset returns the (lazy) output dataset; the slices it
+    reserves for its engines are released by `release` (or on leaving a
+    ``with`` block). `run_batch` does both.
+    """
+
+    def __init__(self, config: BatchConfig):
+        self.config = config
+        self.job = f"rtt-batch-{uuid.uuid4().hex[:8]}"
+        self._processor = None
+
+    def __enter__(self) -> "SliceBatchProcessor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __call__(self, dataset: Any) -> Any:
+        columns = _columns(dataset)
+        if self.config.prompt_column not in columns:
+            raise ValueError(
+                f"the dataset has no column {self.config.prompt_column!r} (its columns: {columns}); "
+                "set BatchConfig(prompt_column=...) to the column of prompt texts"
+            )
+        _check_cluster(self.config)
+        if self._processor is None:
+            self._processor = self._build(columns)
+        return self._processor(dataset)
+
+    def release(self) -> int:
+        """Release every slice this processor reserved; returns how many."""
+        return release(self.job)
+
+    def _build(self, columns: list) -> Any:
+        import ray
+
+        from ray_train_tpu._compat import ray_llm as R
+        from ray_train_tpu.serve import _batch_engine
+
+        cfg, engine = self.config, self.config.engine
+        # vLLM's engine core runs in a child process of the engine actor and joins
+        # the cluster itself: this one, not whichever "auto" finds on the host.
+        env = {**engine.env, C.RAY_ADDRESS: ray.get_runtime_context().gcs_address}
+        processor_config = R.vLLMEngineProcessorConfig(
+            model_source=cfg.model,
+            engine_kwargs=engine.engine_kwargs,
+            runtime_env=with_env(cfg.runtime_env, env),
+            concurrency=(cfg.num_slices, cfg.num_slices),
+            batch_size=cfg.batch_size,
+            max_concurrent_batches=cfg.max_concurrent_batches,
+            chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
+            log_engine_metrics=False,
+        )
+        prompt, sampling = cfg.prompt_column, cfg.sampling
+        processor = R.build_processor(
+            processor_config,
+            preprocess=lambda row: {"prompt": row[prompt], "sampling_params": sampling},
+            postprocess=functools.partial(_output_row, columns),
+        )
+        R.place_engines(
+            processor, _batch_engine.SliceEngineUDF,
+            functools.partial(reserve_slice, self.job, engine.spec.topology,
+                              engine.spec.accelerator_type, engine.strategy),
+            slice_topology=engine.spec.topology, slice_accelerator_type=engine.spec.accelerator_type,
+            slice_column=SLICE_COLUMN,
+        )
+        return processor
+
+
+def build_batch_processor(config: BatchConfig) -> SliceBatchProcessor:
+    """A processor for `config` (see `SliceBatchProcessor`)."""
+    return SliceBatchProcessor(config)
+
+
+def run_batch(config: BatchConfig, dataset: Any) -> Any:
+    """Run `dataset` through `config`'s engines to the end and release their
+    slices; returns the materialized output dataset."""
+    with SliceBatchProcessor(config) as processor:
+        return processor(dataset).materialize()
+
+
+# Reservations, in the driver: `reserve_slice` is the engine stage's
+# ``ray_remote_args_fn``; Ray Data calls it for every engine actor it starts,
+# and the actor runs in the placement group it returns (Ray's
+# ``SlicePlacementGroup``: one ``{"TPU": 1}`` bundle per device, gang-scheduled
+# on one slice; child tasks captured, so that vLLM's Ray executor finds it).
+# batch job id -> its SlicePlacementGroup handles.
+_RESERVATIONS: dict[str, list] = {}
+_LOCK = threading.Lock()
+
+
+def reserve_slice(job: str, topology: str, accelerator_type: str, strategy: str) -> dict:
+    """Reserve one whole free slice for an engine actor (blocks until its head
+    is reserved); returns the actor's scheduling strategy."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.tpu import SlicePlacementGroup
+
+    with _LOCK:
+        handles = _RESERVATIONS.setdefault(job, [])
+        handle = SlicePlacementGroup(topology=topology, accelerator_version=accelerator_type,
+                                     resources_per_bundle={"TPU": 1}, strategy=strategy,
+                                     name=f"{job}-engine-{len(handles)}")
+        handles.append(handle)
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        handle.placement_group, placement_group_capture_child_tasks=True)}
+
+
+def reservations(job: str) -> int:
+    with _LOCK:
+        return len(_RESERVATIONS.get(job, []))
+
+
+def release(job: str) -> int:
+    """Release every slice reserved for `job` (its engines die with them)."""
+    with _LOCK:
+        handles = _RESERVATIONS.pop(job, [])
+    for handle in handles:
+        handle.shutdown()
+    return len(handles)
+
+
+def _output_row(columns: list, row: dict) -> dict:
+    out = {c: row[c] for c in columns}
+    out.update(
+        generated_text=row["generated_text"],
+        generated_token_ids=[int(t) for t in row["generated_tokens"]],
+        num_input_tokens=int(row["num_input_tokens"]),
+        num_generated_tokens=int(row["num_generated_tokens"]),
+    )
+    out[SLICE_COLUMN] = row[SLICE_COLUMN]
+    return out
+
+
+def _columns(dataset: Any) -> list:
+    schema = dataset.schema()
+    if schema is None:
+        raise ValueError("the dataset has no rows (its schema is unknown); give it at least one prompt")
+    return list(schema.names)
+
+
+def _check_cluster(config: BatchConfig) -> None:
+    """Refuse, before anything is reserved, a job the cluster has too few slices for."""
+    import ray
+    from ray.util.tpu import get_num_tpu_slices
+
+    if not ray.is_initialized():
+        ray.init()
+    spec = config.engine.spec
+    have = get_num_tpu_slices(spec.topology, spec.accelerator_type)
+    if have < config.num_slices:
+        raise ValueError(
+            f"BatchConfig(num_slices={config.num_slices}) needs {config.num_slices} {spec.accelerator_type} "
+            f"{spec.topology} slices, but the Ray cluster has {have}; lower num_slices or add slices"
+        )

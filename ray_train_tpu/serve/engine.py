@@ -1,0 +1,112 @@
+"""One vLLM engine on one whole TPU slice, checked before anything starts: the
+part that serving (`builder`) and batch inference (`batch`) share.
+
+`slice_engine` sizes TP x PP to the slice and the model (`spec`), refuses what
+cannot run (another executor than Ray's; on the simulated platform, pipeline
+parallelism in eager mode, which vLLM's CPU backend cannot serve), and gives
+the engine's and its workers' environment: simulated (vLLM's CPU kernels,
+gloo over loopback) or vllm-torchtpu's Ray executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+from ray_train_tpu._compat import vllm as V
+from ray_train_tpu._compat import vllm_torchtpu as T
+from ray_train_tpu.serve.models import model_shape
+from ray_train_tpu.serve.spec import SliceServeSpec
+
+# Per-worker KV cache in simulation (CPU memory; vLLM's CPU default is 4 GiB).
+SIMULATED_KV_CACHE_BYTES = 256 * 2**20
+
+# Every engine and vLLM worker: libtpu never asks for a metadata server, and
+# vLLM's Ray executor V2, which starts workers where we check them.
+ENGINE_ENV = {C.TPU_SKIP_MDS_QUERY: "1", V.USE_RAY_V2_EXECUTOR: "1"}
+# Simulation: gloo over loopback (each simulated host is a loopback address),
+# no CPU pinning (the hosts share the machine's cores), torch_tpu not autoloaded.
+SIMULATED_ENV = {
+    C.RAY_TRAIN_TPU_SIMULATE: "1",
+    C.TORCH_DEVICE_BACKEND_AUTOLOAD: "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SliceEngine:
+    """What a vLLM engine on one slice runs with."""
+
+    spec: SliceServeSpec
+    engine_kwargs: dict  # vLLM engine arguments, TP/PP and the Ray executor included
+    env: dict  # environment of the engine and its workers
+    simulated: bool
+
+    @property
+    def strategy(self) -> str:
+        """Placement strategy of the slice's bundles: a one-host slice has no
+        slice-name label to pin them, so they are packed onto one host."""
+        return "STRICT_PACK" if self.spec.parsed.num_hosts == 1 else "SPREAD"
+
+
+def simulate_default(simulate: Optional[bool]) -> bool:
+    return _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1" if simulate is None else bool(simulate)
+
+
+def slice_engine(
+    model: str,
+    topology: str,
+    accelerator_type: str,
+    *,
+    tensor_parallel_size: Optional[int] = None,
+    pipeline_parallel_size: Optional[int] = None,
+    engine_kwargs: Optional[Mapping[str, Any]] = None,
+    simulate: Optional[bool] = None,
+) -> SliceEngine:
+    """Check and complete one slice engine's configuration (ValueError naming
+    the field, value, rule and fix when it cannot run)."""
+    kwargs = dict(engine_kwargs or {})
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size)):
+        if value is not None and kwargs.get(name, value) != value:
+            raise ValueError(f"{name} is {value!r} but engine_kwargs[{name!r}] is {kwargs[name]!r}; give it once")
+        if value is not None:
+            kwargs[name] = value
+    if kwargs.get("distributed_executor_backend", "ray") != "ray":
+        raise ValueError(
+            f"engine_kwargs distributed_executor_backend {kwargs['distributed_executor_backend']!r}: "
+            "an engine's workers span the slice's hosts, which needs vLLM's Ray executor ('ray'); remove it"
+        )
+    spec = SliceServeSpec(
+        accelerator_type=accelerator_type, topology=topology,
+        tensor_parallel_size=kwargs.get("tensor_parallel_size"),
+        pipeline_parallel_size=kwargs.get("pipeline_parallel_size"),
+        model=model_shape(model),
+    )
+    kwargs.update(tensor_parallel_size=spec.tensor_parallel_size,
+                  pipeline_parallel_size=spec.pipeline_parallel_size, distributed_executor_backend="ray")
+    simulated = simulate_default(simulate)
+    env = dict(ENGINE_ENV)
+    if os.path.isdir(model):
+        env[C.HF_HUB_OFFLINE] = "1"
+    if simulated:
+        problem = V.eager_pipeline_problem(kwargs, spec.pipeline_parallel_size)
+        if problem:
+            raise ValueError(problem)
+        env.update(SIMULATED_ENV)
+        kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
+    else:
+        # vllm-torchtpu reads TORCH_TPU_TOPOLOGY before its own per-size table.
+        env.update({**T.EXECUTOR_ENV, C.TORCH_TPU_TOPOLOGY: spec.parsed.torch_tpu_topology})
+    return SliceEngine(spec=spec, engine_kwargs=kwargs, env=env, simulated=simulated)
+
+
+def with_env(runtime_env: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> dict:
+    """`runtime_env` with `env` under its ``env_vars`` (the caller's values win)."""
+    out = dict(runtime_env or {})
+    out["env_vars"] = {**env, **out.get("env_vars", {})}
+    return out

@@ -1,0 +1,152 @@
+"""The CLI's two kinds of error (bad input: one line, exit 2; a failure while
+running: what failed, the error's first lines and where, exit 1), and batch
+inference's input checks, all before anything is reserved (no Ray, no vLLM)."""
+
+import io
+import json
+import sys
+import types
+
+import pytest
+
+from ray_train_tpu import cli
+from ray_train_tpu.serve.batch import BatchConfig, SliceBatchProcessor
+
+TINY = {"num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 2,
+        "max_position_embeddings": 128, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return str(tmp_path)
+
+
+def _command(func):
+    """A CLI with one command, `probe`, whose run is `func(args, out)`."""
+    def register(subparsers, add_slice_args):
+        subparsers.add_parser("probe").set_defaults(func=func)
+
+    return types.SimpleNamespace(register=register, __name__="probe")
+
+
+def _run(monkeypatch, func):
+    monkeypatch.setattr(cli, "command_modules", lambda: [_command(func)])
+    out, err = io.StringIO(), io.StringIO()
+    return cli.main(["probe"], out=out, err=err), err.getvalue()
+
+
+def _deep_failure():
+    def inner():
+        raise ValueError("Bundle index 7 not found in placement group bundles: [0, 1]\nsecond line\nthird")
+    inner()
+
+
+def test_bad_input_is_one_line_and_exit_2(monkeypatch):
+    def run(args, out):
+        raise ValueError("topology '4x5' is not a TPU-V6E slice;\n  valid: 4x4")
+
+    code, err = _run(monkeypatch, run)
+    assert code == 2 and err == "ray_train_tpu: error: topology '4x5' is not a TPU-V6E slice; valid: 4x4\n"
+
+
+def test_a_failure_while_running_shows_what_failed_and_where(monkeypatch):
+    def run(args, out):
+        with cli.running("batch inference"):
+            _deep_failure()  # a ValueError, but raised while running: not bad input
+
+    code, err = _run(monkeypatch, run)
+    lines = err.splitlines()
+    assert code == 1 and lines[0] == "ray_train_tpu: error: batch inference failed:"
+    assert lines[1:4] == ["  ValueError: Bundle index 7 not found in placement group bundles: [0, 1]",
+                          "  second line", "  third"]
+    assert "where (innermost last):" in err and "in inner" in err and "test_serve_cli.py" in err
+    assert len(lines) < 20  # short: the error's first lines and the innermost frames
+
+
+def test_a_long_upstream_error_is_cut_to_its_first_lines(monkeypatch):
+    def run(args, out):
+        with cli.running("serving"):
+            raise RuntimeError("\n".join(f"remote line {i}" for i in range(50)))
+
+    code, err = _run(monkeypatch, run)
+    assert code == 1 and "remote line 7" in err and "remote line 8" not in err and "(42 more lines)" in err
+
+
+def test_ctrl_c_is_exit_130(monkeypatch):
+    def run(args, out):
+        raise KeyboardInterrupt
+
+    assert _run(monkeypatch, run) == (130, "ray_train_tpu: interrupted\n")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--input", "/no/such.jsonl", "--output", "/tmp/o.jsonl"], ["--input", "is not a file"]),
+        (["--input", "{csv}", "--output", "/tmp/o.jsonl"], ["must be a .jsonl file"]),
+        (["--input", "{txt}", "--output", "/no/such/dir/o.jsonl"], ["directory", "does not exist"]),
+        (["--input", "{txt}", "--output", "/tmp/o.jsonl", "--max-tokens", "128"],
+         ["max_tokens=128", "below the model's context of 128 tokens"]),
+        (["--input", "{txt}", "--output", "/tmp/o.jsonl", "--tensor-parallel-size", "3"],
+         ["tensor_parallel_size 3", "4 devices"]),
+        (["--input", "{txt}", "--output", "/tmp/o.jsonl", "--engine-kwargs", "[1]"], ["must be a JSON object"]),
+    ],
+    ids=["no-input", "not-jsonl", "no-output-dir", "max-tokens-beyond-context", "tp-does-not-fit",
+         "engine-kwargs-not-object"],
+)
+def test_batch_cli_refuses_bad_input_before_starting_anything(model_dir, tmp_path, argv, words):
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("hello\n")
+    (tmp_path / "prompts.csv").write_text("prompt\nhello\n")
+    argv = [a.format(csv=tmp_path / "prompts.csv", txt=txt) for a in argv]
+    before = {m for m in ("ray", "vllm") if m in sys.modules}
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["batch", "--model", model_dir, "--topology", "2x2x1", "--accelerator-type", "v4", *argv],
+                    out=out, err=err)
+    line = err.getvalue()
+    assert code == 2 and line.count("\n") == 1 and all(w in line for w in words), line
+    assert {m for m in ("ray", "vllm") if m in sys.modules} == before
+
+
+def test_batch_config_is_one_engine_per_whole_slice(model_dir):
+    config = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", num_slices=2, max_tokens=16,
+                         sampling_params={"top_p": 0.9}, simulate=True)
+    engine = config.engine
+    assert (engine.spec.tensor_parallel_size, engine.spec.pipeline_parallel_size) == (8, 1)
+    assert engine.engine_kwargs["distributed_executor_backend"] == "ray" and engine.strategy == "SPREAD"
+    assert engine.env["RAY_TRAIN_TPU_SIMULATE"] == "1" and engine.env["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] == "1"
+    assert config.sampling == {"top_p": 0.9, "max_tokens": 16, "temperature": 0.0}
+    one_host = BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", simulate=True)
+    assert one_host.engine.strategy == "STRICT_PACK"  # no slice label pins a one-host slice's bundles
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"num_slices": 0}, ValueError, "num_slices=0"),
+        ({"max_tokens": 0}, ValueError, "max_tokens=0"),
+        ({"max_tokens": 64, "engine_kwargs": {"max_model_len": 64}}, ValueError, "context of 64 tokens"),
+        ({"temperature": -1.0}, ValueError, "temperature=-1.0"),
+        ({"prompt_column": ""}, TypeError, "prompt_column"),
+        ({"sampling_params": {"max_tokens": 5}}, ValueError, "give them as BatchConfig fields"),
+        ({"pipeline_parallel_size": 2, "engine_kwargs": {"enforce_eager": True}}, ValueError,
+         "pipeline_parallel_size 2 with enforce_eager=True"),
+        ({"engine_kwargs": {"distributed_executor_backend": "mp"}}, ValueError, "needs vLLM's Ray executor"),
+    ],
+)
+def test_batch_config_refuses_what_cannot_run(model_dir, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", simulate=True, **kwargs)
+
+
+def test_a_dataset_without_the_prompt_column_is_refused_before_anything_is_reserved(model_dir):
+    class Dataset:
+        def schema(self):
+            return types.SimpleNamespace(names=["text", "id"])
+
+    processor = SliceBatchProcessor(BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4",
+                                                simulate=True))
+    with pytest.raises(ValueError, match="no column 'prompt' \\(its columns: \\['text', 'id'\\]\\).*prompt_column"):
+        processor(Dataset())
+    assert processor.release() == 0  # nothing was reserved
