@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ray_train_tpu import _environ
 from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
+from ray_train_tpu.testing.worker_env import in_scope
 from ray_train_tpu.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -208,6 +210,12 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     `labels` and `resources` override the host's usual ones (see `add_host`)."""
     removed = [k for k, v in (env or {}).items() if v is None]
     env = _overlay(_host_env(topology, slice_id, worker_id), env)
+    # A raylet inherits this process's environment; a host's TPU variables are
+    # the host's own, never what the driver picked up (importing libtpu, as
+    # torch_tpu does, sets TPU_LIBRARY_PATH here). Our own RAY_TRAIN_TPU_* knobs pass.
+    removed += [k for k in os.environ
+                if in_scope(k) and not k.startswith("RAY_TRAIN_TPU_")
+                and k not in env and k not in SIMULATION_ENV and k not in (extra_env or {})]
     name = slice_name(slice_id)
     node_resources = {
         "TPU": topology.devices_per_host,

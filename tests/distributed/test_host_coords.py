@@ -40,8 +40,20 @@ BY_COORDS = [(0, 1), (0, 3), (0, 0), (0, 2)]  # position in the slice -> host, b
 def sim():
     assert Topology.parse(TOPOLOGY, ACCEL).num_hosts == 4
     host_env = {k: {"TPU_WORKER_ID": v} for k, v in WORKER_IDS.items()}
-    with simulated_tpu_cluster(TOPOLOGY, ACCEL, host_env=host_env, host_coords=COORDS, host_order=[2, 0, 3, 1]) as c:
-        yield c
+    # What importing libtpu in the driver sets (torch_tpu does, as the conformance
+    # tests do earlier in a suite run): a host's environment must not inherit it.
+    leak = "TPU_LIBRARY_PATH"
+    saved = os.environ.get(leak)
+    os.environ[leak] = "/driver/only/libtpu.so"
+    try:
+        with simulated_tpu_cluster(TOPOLOGY, ACCEL, host_env=host_env, host_coords=COORDS,
+                                   host_order=[2, 0, 3, 1]) as c:
+            yield c
+    finally:
+        if saved is None:
+            os.environ.pop(leak, None)
+        else:
+            os.environ[leak] = saved
 
 
 def _probe(config):
