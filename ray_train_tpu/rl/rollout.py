@@ -40,7 +40,8 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # simulated chips share the machine's cores
     C.HF_HUB_OFFLINE: "1",
 }
-KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache per worker on the CPU backend
+# KV cache of each simulated worker (CPU memory; vLLM's CPU default is 4 GiB); on TPUs vLLM sizes it.
+SIMULATED_KV_CACHE_BYTES = 128 * 2**20
 # Fault injection on simulated hosts only: seconds every generate call waits first,
 # so that a test can kill an engine while its call is surely in flight.
 SIMULATE_ROLLOUT_DELAY_ENV = "RAY_TRAIN_TPU_SIMULATE_ROLLOUT_DELAY_S"
@@ -86,16 +87,18 @@ class RolloutEngine:
     def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int, max_num_seqs: int,
                  tensor_parallel_size: int = 1, bundle_indices: Sequence[int] = (),
                  expected_places: Sequence[tuple] = (), slice_plan: Optional[str] = None,
-                 engine_kwargs: Optional[dict] = None, kv_cache_gib: int = 1):
+                 engine_kwargs: Optional[dict] = None):
         import ray
 
         from ray_train_tpu.serve import platforms
 
-        env = {**ENGINE_ENV, KV_CACHE_ENV: str(kv_cache_gib), platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
+        engine_kwargs = dict(engine_kwargs or {})
+        env = {**ENGINE_ENV, platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
         if is_simulated():
             from ray_train_tpu.serve.builder import SIMULATED_ENV
 
             env.update({k: v for k, v in SIMULATED_ENV.items() if k.startswith(("GLOO", "VLLM"))})
+            engine_kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
         if tensor_parallel_size > 1:
             env[platforms.VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
         if slice_plan:
@@ -117,7 +120,7 @@ class RolloutEngine:
                        tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
                        worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-                       weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND}, **(engine_kwargs or {}))
+                       weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND}, **engine_kwargs)
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self.places = self.llm.collective_rpc("rl_place")
         _check_places(self.places, expected_places)

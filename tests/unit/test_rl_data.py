@@ -362,3 +362,12 @@ def test_a_run_removes_the_checkpoint_directory_it_made_unless_asked(tmp_path):
     loop = GRPOLoop(GRPOConfig(**base, checkpoint_dir=str(mine)))
     loop.shutdown()
     assert mine.is_dir()  # a directory the user gave is theirs
+
+
+def test_a_real_hugging_face_dataset_and_a_gsm8k_style_reward():
+    datasets = pytest.importorskip("datasets", reason="the rl extra (datasets) is not installed")
+    ds = datasets.Dataset.from_list(word_problem_records(6, seed=2))
+    src = PromptSource(ds, seed=0, prompt_key="question")
+    assert src.records is ds and len(src) == 6
+    rec = src.step_records(1, 1)[0]
+    assert rec["question"].endswith("?") and gsm8k_reward(rec["question"], rec["answer"], **src.fields(rec)) == 1.0
