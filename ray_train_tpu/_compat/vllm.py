@@ -35,6 +35,7 @@ TESTED_VLLM_VERSION = C.VLLM_VERSION
 # Face tensor this rank holds (`tp_pieces`), from the layers' own attributes.
 
 WEIGHT_TRANSFER_BACKEND = "ray_object_store"
+LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 # One slice of a Hugging Face tensor held by a TP rank: (dim, start, length); None = all of it.
 TPSpec = Optional[tuple[int, int, int]]
 

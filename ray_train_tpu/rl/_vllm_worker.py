@@ -11,6 +11,7 @@ All vLLM internals go through `ray_train_tpu._compat.vllm`.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from typing import Callable
 
 from ray_train_tpu import _environ
@@ -40,6 +41,18 @@ def receive(payload: dict, load_weights: Callable) -> None:
 
 
 compat_vllm.register_weight_transfer(receive)
+
+
+class _RotaryCacheFilter(logging.Filter):
+    """vLLM's layerwise reload warns at every update that rotary embeddings
+    "failed to load weights": their cos/sin cache is computed, never in a
+    checkpoint, and vLLM keeps it as it was (what we want). Drop that line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger(compat_vllm.LAYERWISE_RELOAD_LOGGER).addFilter(_RotaryCacheFilter())
 
 
 class WeightSyncExtension:

@@ -152,6 +152,10 @@ class RolloutEngine:
         self.llm.finish_weight_update()
         return time.perf_counter() - start
 
+    def worker_places(self) -> list[dict]:
+        """Each vLLM worker's rank, TP rank, host and chips (as checked at start)."""
+        return list(self.places)
+
     def tp_specs(self) -> list[dict]:
         """Per TP rank, ``{hf name: its slice}`` (see `ray_train_tpu.rl.weights`)."""
         return self.llm.collective_rpc("rl_tp_specs")
