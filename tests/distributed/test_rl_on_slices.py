@@ -107,6 +107,18 @@ def quick_start():
     return {}
 
 
+def test_prompts_from_a_ray_dataset(sim):
+    import ray.data
+
+    from ray_train_tpu.rl.data import PromptSource
+    from ray_train_tpu.rl.tasks import addition_records
+
+    records = addition_records(20, max_operand=5)
+    src = PromptSource(ray.data.from_items(records), seed=0)
+    assert len(src) == 20 and sorted(map(str, src.records)) == sorted(map(str, records))
+    assert src.step_records(1, 4) == PromptSource(records, seed=0).step_records(1, 4)
+
+
 def _pids(actors):
     return ray.get([a.pid.remote() for a in actors])
 

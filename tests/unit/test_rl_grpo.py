@@ -243,3 +243,33 @@ def test_policy_worker_update_equals_a_plain_loop(tiny_model, one_rank_group, al
     ours = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in worker.model.named_parameters()}
     for name, p in model.named_parameters():
         assert torch.allclose(ours[name].detach().cpu(), p.detach(), atol=2e-6), name
+
+
+def test_kl_in_the_reward_is_scored_before_the_update_and_reused(tiny_model, one_rank_group):
+    """With kl_in="reward", score() returns each row's summed KL to the reference (as
+    computed by hand from the two models), and train() reuses those log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_train_tpu.rl.config import AlgorithmConfig
+    from ray_train_tpu.rl.policy import PolicyWorker
+
+    a = AlgorithmConfig(kl_coef=0.1, kl_in="reward", kl_estimator="k3", num_minibatches=2)
+    worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a)
+    worker.build()
+    batch = _batch(seed=1)
+    kl = worker.score(batch, step=4)
+    with torch.no_grad():  # at initialisation the policy is the reference: KL 0 ...
+        assert kl == pytest.approx([0.0] * batch.num_rows, abs=1e-6)
+    assert 4 in worker._cache
+    worker.train(batch, step=4)
+    assert 4 not in worker._cache  # ... and train() used (and dropped) the scored log-probs
+    moved = worker.score(batch, step=5)  # after an update the policy has moved from the reference
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in worker.model.named_parameters()}
+    now = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    now.load_state_dict({n: p.detach().cpu() for n, p in params.items()}, strict=False)
+    with torch.no_grad():
+        lp = token_logprobs(now(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+        lr = token_logprobs(ref(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+    want = (kl_penalty(lp, lr, "k3") * batch.loss_mask).sum(dim=1)
+    assert moved == pytest.approx(want.tolist(), rel=1e-4, abs=1e-7) and max(moved) > 0
