@@ -26,18 +26,23 @@ _LAST = {"layout": None}
 def receive(payload: dict, load_weights: Callable) -> None:
     """Load ``payload["buckets"]`` (per bucket, the trainer ranks' ObjectRefs, in
     rank order). A background thread fetches bucket k+1 while bucket k loads."""
-    import ray
-
     buckets = payload["buckets"]
     layout = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        fetches = [pool.submit(ray.get, list(refs)) for refs in buckets]
+        fetches = [pool.submit(_fetch, list(refs)) for refs in buckets]
         for fetch in fetches:
             tensors, part = W.assemble(fetch.result())
             load_weights(tensors)
             layout.update(part)
             del tensors
     _LAST["layout"] = layout
+
+
+def _fetch(refs: list) -> list:
+    """A bucket of every trainer rank (ObjectRefs; in-process callers may pass the buckets)."""
+    import ray
+
+    return ray.get(refs) if refs and isinstance(refs[0], ray.ObjectRef) else refs
 
 
 compat_vllm.register_weight_transfer(receive)
