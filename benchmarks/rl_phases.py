@@ -187,25 +187,27 @@ def main() -> int:
     parser.add_argument("--sizes", default=",".join(SIZES[:-1]), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--overlap-steps", type=int, default=5, help="steps of the 100 M model in overlap mode")
     parser.add_argument("--name", default="rl_phases")
+    parser.add_argument("--cache", default=None, help="model directory cache (default: a new temporary directory)")
     args = parser.parse_args()
 
     from ray_train_tpu.rl import models
     from ray_train_tpu.testing import simulated_cluster, simulated_tpu_cluster
 
     simulated_cluster._OBJECT_STORE_BYTES = OBJECT_STORE_BYTES  # the largest model, twice, per host
-    cache = tempfile.mkdtemp(prefix="rl_bench_models_")
+    cache = args.cache or tempfile.mkdtemp(prefix="rl_bench_models_")
+    sizes = args.sizes.split(",")
+    dirs = {name: models.tiny_addition_model(cache, size=name) for name in ["tiny", "bench-100m", *sizes]}
     start = time.perf_counter()
     result = {}
     with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2):
-        result["phases"] = phases(models.tiny_addition_model(cache), args.steps)
+        result["phases"] = phases(dirs["tiny"], args.steps)
         print_phases(result["phases"])
         result["sync_vs_size"] = []
-        for name in args.sizes.split(","):
-            result["sync_vs_size"].append(sync_vs_size(name, models.tiny_addition_model(cache, size=name), args.syncs))
+        for name in sizes:
+            result["sync_vs_size"].append(sync_vs_size(name, dirs[name], args.syncs))
             print_size(result["sync_vs_size"][-1])
         if args.overlap_steps:
-            result["overlap_100m"] = overlap_at(models.tiny_addition_model(cache, size="bench-100m"),
-                                                args.overlap_steps + 1)
+            result["overlap_100m"] = overlap_at(dirs["bench-100m"], args.overlap_steps + 1)
             print(f"[SIMULATED] overlap at 100 M: sync {100 * result['overlap_100m']['sync_fraction_of_step']:.1f}% "
                   f"of a step (load alone {100 * result['overlap_100m']['load_fraction_of_step']:.1f}%)")
     result["wall_s"] = time.perf_counter() - start

@@ -3,7 +3,8 @@
 - Two slices (default): each reserves a whole slice through Ray's
   `SlicePlacementGroup`, one ``{"TPU": 1, "CPU": 1}`` bundle per chip (a
   multi-host slice is gang-scheduled through its head resource and pinned to
-  its slice name; a single-host slice is packed onto one host).
+  its slice name; a single-host slice is packed onto one host of that
+  topology, by its ``ray.io/tpu-topology`` label).
 - One slice (``one_slice=True``): the trainer takes half of the slice through
   Ray's `SubslicePlacementGroup` (Ray picks hosts that form a valid,
   ICI-connected sub-slice from the chips' coordinates), and the engines take
@@ -76,6 +77,9 @@ def reserve_slice(topology: Topology, *, name: str = "", timeout_s: float = 120.
         resources_per_bundle={"TPU": 1, "CPU": 1},
         strategy="STRICT_PACK" if topology.num_hosts == 1 else "SPREAD",
         name=name,
+        # Ray pins a multi-host slice's bundles to its slice name, but a single-host
+        # slice's to nothing: without this, a 2x2x1 could take one host of a 2x2x4.
+        bundle_label_selector=[{C.LABEL_TPU_TOPOLOGY: topology.name}] * topology.num_devices,
     )
     _wait(handle, handle.placement_group, timeout_s, f"a free {topology} slice for {name or 'a placement group'}")
     return SliceReservation(topology, handle, handle.placement_group, probe_devices(handle.placement_group))
