@@ -24,9 +24,17 @@ _LAST = {"layout": None}
 
 
 def receive(payload: dict, load_weights: Callable) -> None:
-    """Load ``payload["buckets"]`` (per bucket, the trainer ranks' ObjectRefs, in
-    rank order). A background thread fetches bucket k+1 while bucket k loads."""
-    buckets = payload["buckets"]
+    """Load the buckets of ``payload`` (per bucket, the trainer ranks' ObjectRefs
+    in rank order, from the `weights.WeightMailbox` actor named ``payload["mailbox"]``;
+    in-process callers may give ``payload["buckets"]`` itself). A background
+    thread fetches bucket k+1 while bucket k loads."""
+    import ray
+
+    if "buckets" in payload:
+        buckets = payload["buckets"]
+    else:
+        mailbox = ray.get_actor(payload["mailbox"])
+        buckets = ray.get(mailbox.get.remote(payload["version"]))[0]
     layout = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         fetches = [pool.submit(_fetch, list(refs)) for refs in buckets]

@@ -36,6 +36,8 @@ class RolloutPool:
         self.engines: list = []
         self.restarts = 0
         self._weights: Optional[list] = None  # the last weights loaded (bucket refs)
+        self._version = 0
+        self._mailbox = None
         self._specs: Optional[dict] = None
 
     @property
@@ -43,8 +45,14 @@ class RolloutPool:
         return self.layout.num_engines
 
     def start(self) -> None:
+        import uuid
+
         import ray
 
+        from ray_train_tpu.rl.weights import WeightMailbox
+
+        self.mailbox_name = f"ray_train_tpu-grpo-weights-{uuid.uuid4().hex[:12]}"
+        self._mailbox = ray.remote(WeightMailbox).options(name=self.mailbox_name, num_cpus=0).remote()
         self.engines = [self._new_engine(i) for i in range(self.num_engines)]
         ray.get([e.pid.remote() for e in self.engines])
 
@@ -72,7 +80,7 @@ class RolloutPool:
         self.engines[index] = self._new_engine(index)
         self.restarts += 1
         if self._weights is not None:  # the newest weights, not the ones on disk
-            ray.get(self.engines[index].load_weights.remote(self._weights))
+            ray.get(self.engines[index].load_weights.remote(self.mailbox_name, self._version))
 
     # --- generation
 
@@ -124,7 +132,9 @@ class RolloutPool:
         import ray
 
         self._weights = buckets
-        refs = [e.load_weights.remote(buckets) for e in self.engines]
+        self._version += 1
+        ray.get(self._mailbox.put.remote(self._version, [buckets]))
+        refs = [e.load_weights.remote(self.mailbox_name, self._version) for e in self.engines]
         seconds = []
         for i, ref in enumerate(refs):
             try:
@@ -166,9 +176,9 @@ class RolloutPool:
     def shutdown(self) -> None:
         import ray
 
-        for e in self.engines:
+        for e in self.engines + ([self._mailbox] if self._mailbox is not None else []):
             ray.kill(e)
-        self.engines = []
+        self.engines, self._mailbox = [], None
 
 
 def _fetch_here(wrapped: list) -> None:

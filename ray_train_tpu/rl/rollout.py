@@ -143,12 +143,12 @@ class RolloutEngine:
                   "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]}
                  for c in out.outputs] for out in outputs]
 
-    def load_weights(self, buckets: list) -> float:
-        """Load the weights behind ``buckets`` (per bucket, the trainer ranks'
-        ObjectRefs) on every worker; returns the seconds it took."""
+    def load_weights(self, mailbox: str, version: int) -> float:
+        """Every worker loads weights ``version`` from the `weights.WeightMailbox`
+        actor named ``mailbox``; returns the seconds it took."""
         start = time.perf_counter()
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"payload": {"buckets": buckets}}})
+        self.llm.update_weights({"update_info": {"payload": {"mailbox": mailbox, "version": version}}})
         self.llm.finish_weight_update()
         return time.perf_counter() - start
 

@@ -124,6 +124,10 @@ def reserve_halves(topology: Topology, *, simulated: bool, timeout_s: float = 12
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(f"one_slice: Ray found no free {half.name} half of a {topology} slice: {e}") from e
     _wait(sub, sub.placement_group, timeout_s, f"the trainer's {half.name} half of {topology}")
+    if sub.parent_topology != topology.name:
+        sub.shutdown()
+        raise RuntimeError(f"one_slice: Ray offered a {half.name} part of a {sub.parent_topology} slice, not a half "
+                           f"of a {topology.name} one; is a {topology} slice free?")
     try:
         trainer_hosts = [int(sel[C.LABEL_TPU_WORKER_ID]) for sel in sub.bundle_label_selector]
         trainer_devices = [dataclasses.replace(d, chip=None) for d in probe_devices(sub.placement_group, per_bundle=dph)]

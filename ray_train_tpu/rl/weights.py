@@ -116,6 +116,25 @@ def assemble(shard_buckets: Sequence[Sequence[tuple]]) -> tuple[list[tuple[str, 
     return out, layout
 
 
+class WeightMailbox:
+    """A Ray actor holding the latest update's bucket references for the engines'
+    workers to fetch. vLLM hands RPC arguments to its Ray workers through its own
+    message queue (plain pickle), where an ObjectRef loses the owner bookkeeping
+    that ``ray.get`` needs (it waits forever); an actor call returns them intact."""
+
+    def __init__(self):
+        self.version, self.buckets = -1, None
+
+    def put(self, version: int, wrapped: list) -> int:
+        self.version, self.buckets = version, wrapped[0]  # wrapped: Ray passes nested refs as refs
+        return version
+
+    def get(self, version: int) -> list:
+        if version != self.version:
+            raise RuntimeError(f"weights version {version} asked for, but the mailbox holds version {self.version}")
+        return [self.buckets]
+
+
 # --- parity -------------------------------------------------------------------------
 
 

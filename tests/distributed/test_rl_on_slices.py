@@ -45,9 +45,9 @@ from ray_train_tpu.topology import Topology  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "rl.md"
 WINDOW = 5
-# Mean reward of the last 5 of the quick start's 25 steps over the first 5: MEASURED here (seeded,
-# the same curve every run); the margin asserted is about half of it.
-MIN_GAIN = 0.25
+# Mean reward of the last 5 of the quick start's 15 steps over the first 5: 0.048 -> 0.69 here
+# (seeded, the same curve every run: 0.025 at step 1, 0.83 at step 15); about half that gain:
+MIN_GAIN = 0.3
 CKPT_EVERY = 5
 
 
@@ -130,7 +130,8 @@ def test_docs_quick_start_learns_and_engines_equal_trainer_after_every_sync(run_
     first = statistics.fmean(m["reward_mean"] for m in history[:WINDOW])
     last = statistics.fmean(m["reward_mean"] for m in history[-WINDOW:])
     print(f"[SIMULATED] reward per step: {[round(m['reward_mean'], 3) for m in history]}; "
-          f"first {WINDOW}: {first:.3f}, last {WINDOW}: {last:.3f}")
+          f"first {WINDOW}: {first:.3f}, last {WINDOW}: {last:.3f}; seconds per step: "
+          f"{[round(m['step_s'], 2) for m in history]}")
     assert last > first + MIN_GAIN, [round(m["reward_mean"], 3) for m in history]
     assert all(m["parity_checked"] for m in history) and all(m["updates"] == 2 for m in history)
     assert max(m["clipfrac"] for m in history) > 0  # the second update of a batch is clipped somewhere
