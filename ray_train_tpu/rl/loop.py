@@ -208,6 +208,7 @@ class GRPOLoop:
             kl = S.gather_rows(self.trainer.call("score", ray.put(batch), step), batch.num_rows)
             adjusted = S.kl_adjusted(values, kl, c.algorithm.kl_coef, c.sampling.n)
             batch, num_rows = S.build(self, prepared, samples, kept, adjusted)
+            counts["kl_reward"] = sum(kl[:num_rows]) / max(num_rows, 1)  # mean summed KL per completion
         t2 = time.perf_counter()
         self._hook("train", step)
         train = self.trainer.call("train", ray.put(batch), step)[0]
