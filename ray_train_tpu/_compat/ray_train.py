@@ -24,6 +24,7 @@ that simulation forbids.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -270,3 +271,29 @@ def wait_for_reports_collected(timeout_s: float) -> bool:
     while results.unfinished_tasks and time.monotonic() < deadline:
         time.sleep(0.05)
     return not results.unfinished_tasks
+
+
+# --- rl one-slice mode: Ray's TPU subslices on simulated hosts -------------------------
+#
+# ``ray.util.tpu.subslice_placement_group`` finds the halves of a slice from each
+# host's chip coordinates, which it asks libtpu for (``_discover_tpu_node_coords``,
+# one task per host, looked up by name when discovery runs). Simulated hosts have
+# no chips: while a subslice is reserved, that one function answers with
+# ``coords_fn()`` (run on each host); Ray's discovery, labels, KV cache and
+# subslice choice run unchanged. Simulation only.
+
+
+@contextlib.contextmanager
+def simulated_subslice_discovery(coords_fn: Callable[[], list]):
+    import ray.util.tpu as ray_tpu
+
+    original = ray_tpu._discover_tpu_node_coords
+
+    def discover(mock_coords=None):
+        return original(mock_coords=coords_fn())
+
+    ray_tpu._discover_tpu_node_coords = discover
+    try:
+        yield
+    finally:
+        ray_tpu._discover_tpu_node_coords = original

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 ORDER = 95
-EXAMPLE = "python -m ray_train_tpu rl-demo --steps 40 --out rl_demo"
+EXAMPLE = "python -m ray_train_tpu rl-demo --steps 30 --out rl_demo"
 
 
 def register(subparsers, add_slice_args) -> None:

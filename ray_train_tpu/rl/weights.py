@@ -1,36 +1,51 @@
-"""Weight parity between the trainer and the rollout engine, bit for bit, shard by shard.
+"""Weights from the trainer to the engines: buckets in Ray's object store, and
+bitwise parity, shard by shard.
 
-The trainer holds each parameter sharded along dim 0 (FSDP2), under its Hugging
-Face name; the engine holds some parameters fused (vLLM's
-``packed_modules_mapping``: ``qkv_proj`` = ``[q_proj; k_proj; v_proj]`` along
-dim 0) and whole. Both sides therefore describe their weights the same way: a
-digest per ``"<hf name>#<shard>"``, the engine splitting its tensors back into
-the pieces and rows the trainer sent (`split_digests`). Nothing is gathered to
-check parity.
+**Transfer.** Every trainer rank holds each parameter sharded along dim 0
+(FSDP2), under its Hugging Face name. After an update it casts its shards to
+the engine's dtype on the host and puts them in Ray's object store in buckets
+of about ``sync_bucket_mb`` (the same parameter groups on every rank,
+`plan_buckets`), each a list of ``(name, dtype, shape, numpy array)``: numpy
+arrays come back from the object store as zero-copy views of shared memory, so
+an engine worker reads a bucket without copying it. Each engine worker (every
+TP rank) concatenates the ranks' shards of a parameter and hands the full
+tensor to vLLM's loader, which copies the worker's own TP slice into its
+weights; all buckets are requested at once, so later buckets travel while
+earlier ones load.
 
-Signed zeros: the engine reads linear layers back through their kernels (see
-``_vllm_worker``), where ``-0.0`` comes back as ``+0.0``; digests are taken of
-``t + 0.0``, which maps ``-0.0`` to ``+0.0`` and changes nothing else.
+**Parity.** The engine holds some parameters fused (vLLM's
+``packed_modules_mapping``: ``qkv_proj`` = ``[q_proj; k_proj; v_proj]`` along dim
+0), and with tensor parallelism each TP rank a slice of each (rows, or columns
+for row-parallel layers; `ray_train_tpu._compat.vllm.linear_specs`). Both
+sides cut their tensors into the same blocks, one per (trainer shard, TP
+rank), keyed ``"<hf name>#<shard>"`` (``"...@tp<r>"`` with TP), and hash each
+(`block_slices`): nothing is gathered to check parity.
+
+Signed zeros: the engine reads linear layers back through their kernels, where
+``-0.0`` comes back as ``+0.0``; digests are taken of ``t + 0.0``.
 
 Example:
     >>> import torch
     >>> packed = {"qk_proj": ["q_proj", "k_proj"]}
     >>> hf_names("l.qk_proj.weight", packed)
     ['l.q_proj.weight', 'l.k_proj.weight']
-    >>> fused = torch.arange(6.0).view(3, 2)          # q: rows 0-1, k: row 2
-    >>> layout = {"l.q_proj.weight": [1, 1], "l.k_proj.weight": [1, 0]}
-    >>> sorted(split_digests("l.qk_proj.weight", fused, packed, layout))
-    ['l.k_proj.weight#0', 'l.k_proj.weight#1', 'l.q_proj.weight#0', 'l.q_proj.weight#1']
-    >>> mismatches({"a": digest(torch.ones(2))}, {"a": digest(torch.ones(2)), "b": "x"})
-    ['b: in the engine, not in the trainer']
+    >>> block_slices((0, 1, 2), [2, 2])        # TP slice rows 1..2 over shards of rows 0-1 and 2-3
+    [(0, (slice(0, 1, None),), (slice(1, 2, None),)), (1, (slice(1, 2, None),), (slice(0, 1, None),))]
+    >>> plan_buckets([("a", 100), ("b", 100), ("c", 300)], bucket_bytes=250)
+    [['a', 'b'], ['c']]
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Sequence
+import warnings
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
+
+# A TP rank's slice of a Hugging Face tensor: (dim, start, length); None: all of it.
+TPSpec = Optional[tuple[int, int, int]]
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -41,8 +56,86 @@ def digest(tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def shard_key(name: str, shard: int) -> str:
-    return f"{name}#{shard}"
+def block_key(name: str, shard: int, tp_rank: Optional[int] = None) -> str:
+    return f"{name}#{shard}" if tp_rank is None else f"{name}#{shard}@tp{tp_rank}"
+
+
+# --- buckets ------------------------------------------------------------------------
+
+
+def plan_buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Parameter names in consecutive groups of about ``bucket_bytes`` (full
+    sizes, the same on every rank); a parameter larger than that is alone."""
+    out, current, filled = [], [], 0
+    for name, nbytes in sizes:
+        if current and filled + nbytes > bucket_bytes:
+            out.append(current)
+            current, filled = [], 0
+        current.append(name)
+        filled += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def pack(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple]:
+    """Host tensors -> ``[(name, dtype name, shape, numpy array)]`` for ``ray.put``
+    (the array is the tensor's bytes viewed as an integer type: numpy has no bfloat16)."""
+    out = []
+    for name, t in named:
+        t = t.contiguous()
+        out.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                    t.view(_INT_VIEW[t.element_size()]).numpy()))
+    return out
+
+
+def unpack(bucket: Sequence[tuple]) -> list[tuple[str, torch.Tensor]]:
+    """`pack`'s inverse: tensors viewing the arrays (read-only shared memory
+    after ``ray.get``: write to them and the object store refuses)."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, dtype, shape, array in bucket:
+            out.append((name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+def assemble(shard_buckets: Sequence[Sequence[tuple]]) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """One bucket from every trainer rank (rank order) -> ``[(name, full tensor)]``
+    and ``{name: rows of each shard}``."""
+    per_rank = [unpack(b) for b in shard_buckets]
+    names = [n for n, _ in per_rank[0]]
+    layout, out = {}, []
+    for i, name in enumerate(names):
+        shards = [rank[i][1] for rank in per_rank]
+        if any(rank[i][0] != name for rank in per_rank):
+            raise RuntimeError(f"trainer ranks sent buckets with different parameters at {name!r}: the bucket plan "
+                               "must be the same on every rank")
+        layout[name] = [s.shape[0] for s in shards]
+        out.append((name, shards[0] if len(shards) == 1 else torch.cat(shards)))
+    return out, layout
+
+
+class WeightMailbox:
+    """A Ray actor holding the latest update's bucket references for the engines'
+    workers to fetch. vLLM hands RPC arguments to its Ray workers through its own
+    message queue (plain pickle), where an ObjectRef loses the owner bookkeeping
+    that ``ray.get`` needs (it waits forever); an actor call returns them intact."""
+
+    def __init__(self):
+        self.version, self.buckets = -1, None
+
+    def put(self, version: int, wrapped: list) -> int:
+        self.version, self.buckets = version, wrapped[0]  # wrapped: Ray passes nested refs as refs
+        return version
+
+    def get(self, version: int) -> list:
+        if version != self.version:
+            raise RuntimeError(f"weights version {version} asked for, but the mailbox holds version {self.version}")
+        return [self.buckets]
+
+
+# --- parity -------------------------------------------------------------------------
 
 
 def hf_names(engine_name: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
@@ -55,20 +148,58 @@ def hf_names(engine_name: str, packed: Mapping[str, Sequence[str]]) -> list[str]
     return [engine_name]
 
 
-def split_digests(engine_name: str, tensor: torch.Tensor, packed: Mapping[str, Sequence[str]],
-                  layout: Mapping[str, Sequence[int]]) -> dict[str, str]:
-    """Digests of one engine tensor cut into the trainer's pieces and shards:
-    ``layout[hf_name]`` is the rows of that tensor in each shard, in shard order."""
+def block_slices(spec: TPSpec, rows_per_shard: Sequence[int]) -> list[tuple[int, tuple, tuple]]:
+    """The blocks of one TP slice of a tensor, one per trainer shard it meets:
+    ``(shard, index into the slice, index into the shard)``.
+
+    ``spec`` None: the whole tensor; ``(0, start, length)``: rows; ``(1, start,
+    length)``: columns (every shard meets it)."""
+    out, offset = [], 0
+    for shard, rows in enumerate(rows_per_shard):
+        lo, hi = offset, offset + rows
+        offset = hi
+        if spec is None:
+            out.append((shard, (slice(lo, hi),), (slice(0, rows),)))
+        elif spec[0] == 0:
+            a, b = max(lo, spec[1]), min(hi, spec[1] + spec[2])
+            if a < b:
+                out.append((shard, (slice(a - spec[1], b - spec[1]),), (slice(a - lo, b - lo),)))
+        else:
+            cols = slice(spec[1], spec[1] + spec[2])
+            out.append((shard, (slice(lo, hi),), (slice(0, rows), cols)))
+    return out
+
+
+def engine_digests(engine_name: str, tensor: torch.Tensor, specs: Sequence[TPSpec], tp_rank: Optional[int],
+                   packed: Mapping[str, Sequence[str]], layout: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """Digests of one engine tensor (this TP rank's part of it, pieces fused
+    along dim 0) cut into the trainer's shards, keyed `block_key`."""
     names = hf_names(engine_name, packed)
     missing = [n for n in names if n not in layout]
     if missing:
         raise KeyError(f"engine tensor {engine_name!r} has no counterpart {missing} in the weights the trainer "
                        f"sent (packed modules {dict(packed)}); is the engine serving another model?")
+    if len(specs) != len(names):
+        raise RuntimeError(f"engine tensor {engine_name!r}: {len(specs)} TP slices for {len(names)} pieces {names}")
+    sizes = [sum(layout[n]) if s is None or s[0] == 1 else s[2] for n, s in zip(names, specs)]
     out = {}
-    pieces = tensor.split([sum(layout[n]) for n in names], dim=0)
-    for name, piece in zip(names, pieces):
-        for shard, part in enumerate(piece.split(list(layout[name]), dim=0)):
-            out[shard_key(name, shard)] = digest(part)
+    for name, spec, piece in zip(names, specs, tensor.split(sizes, dim=0)):
+        for shard, local, _ in block_slices(spec, layout[name]):
+            out[block_key(name, shard, tp_rank)] = digest(piece[local])
+    return out
+
+
+def trainer_digests(shard: int, tensors: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence[int]],
+                    specs: Optional[Mapping[str, Sequence[TPSpec]]] = None) -> dict[str, str]:
+    """Digests of a trainer rank's published shards, cut into the blocks each
+    engine TP rank holds (``specs[name][tp_rank]``; None: engines without TP)."""
+    out = {}
+    for name, t in tensors.items():
+        per_rank = [None] if specs is None else specs.get(name, [None])
+        for tp_rank, spec in enumerate(per_rank):
+            for s, _, mine in block_slices(spec, layout[name]):
+                if s == shard:
+                    out[block_key(name, shard, None if specs is None else tp_rank)] = digest(t[mine])
     return out
 
 

