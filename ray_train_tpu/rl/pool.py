@@ -70,7 +70,8 @@ class RolloutPool:
         return cls.options(num_cpus=1, resources=resources, scheduling_strategy=strategy, max_restarts=0).remote(
             **self.engine_kwargs, tensor_parallel_size=tp, bundle_indices=[d.bundle for d in devices],
             expected_places=[(d.node_ip, d.chip) for d in devices],
-            slice_plan=self.slice_plan if self.num_engines == 1 else None)
+            slice_plan=self.slice_plan if self.num_engines == 1 else None,
+            slice_name=devices[0].slice_name if tp == 1 else None)
 
     def _restart(self, index: int) -> None:
         import ray

@@ -87,10 +87,18 @@ class RolloutEngine:
     def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int, max_num_seqs: int,
                  tensor_parallel_size: int = 1, bundle_indices: Sequence[int] = (),
                  expected_places: Sequence[tuple] = (), slice_plan: Optional[str] = None,
-                 engine_kwargs: Optional[dict] = None):
+                 engine_kwargs: Optional[dict] = None, slice_name: Optional[str] = None):
         import ray
 
         from ray_train_tpu.serve import platforms
+
+        if tensor_parallel_size == 1 and slice_name:
+            # A one-chip engine holds its chip itself: the right slice, host and one
+            # chip, and its host's multi-host job variables gone before vLLM starts
+            # (serving's check: a lone chip of a multi-host slice is its own device).
+            from ray_train_tpu.serve.worker_check import check_chip_engine
+
+            check_chip_engine(slice_name=slice_name, host=expected_places[0][0] if expected_places else None)
 
         engine_kwargs = dict(engine_kwargs or {})
         env = {**ENGINE_ENV, platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
