@@ -65,6 +65,13 @@ class _ShardSampler(StatefulDistributedSampler):
     def __len__(self) -> int:
         return super().__len__() if not self.start else len(self._rest()) // self.num_replicas
 
+    def state_dict(self) -> dict:
+        # torchdata's sampler applies a loaded position only once its generator starts;
+        # a state taken before that (restore, then save before the first batch) must
+        # still hold the loaded position, or the next resume reads those samples again.
+        yielded = self.yielded if self.next_yielded is None else self.next_yielded
+        return {self._YIELDED: yielded}
+
     def _rest_of_shard(self):
         self.yielded, self.next_yielded = self.next_yielded or 0, None
         for idx in itertools.islice(self._rest()[self.rank::self.num_replicas], self.yielded, None):

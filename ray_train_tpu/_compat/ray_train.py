@@ -319,6 +319,8 @@ def drain_node(node_id: str, deadline_s: float, reason: str) -> tuple[bool, str]
 
 def drain_this_node(deadline_s: float, reason: str) -> tuple[bool, str]:
     """`drain_node` for the node this process runs on."""
+    if not ray.is_initialized():
+        return False, "this process is not connected to a Ray cluster"
     try:
         node_id = ray.get_runtime_context().get_node_id()
     except Exception as e:
@@ -337,3 +339,29 @@ def raylet_pid(node: Any) -> int:
     from ray._private import ray_constants
 
     return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def controller_state_log(path: str) -> Any:
+    """For tests and benchmarks: a Ray Train controller callback (pass it in
+    ``RunConfig(callbacks=[...])``) that appends every controller state change
+    to `path`, one JSON line each: time, previous and new state (e.g.
+    ``RunningState`` -> ``PreemptingState`` -> ``RestartingState``), and the
+    error that made a Restarting/Errored state (type and message). The states
+    and ``ControllerCallback`` are Ray Train 2.60 internals."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    class ControllerStateLog(ControllerCallback):
+        def __init__(self, path: str):
+            self.path = path
+
+        def after_controller_state_update(self, previous_state, current_state) -> None:
+            import json
+
+            error = getattr(current_state, "training_failed_error", None)
+            record = {"t": time.time(), "from": type(previous_state).__name__, "to": type(current_state).__name__,
+                      "error_type": None if error is None else type(error).__name__,
+                      "error": None if error is None else str(error)[:4000]}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return ControllerStateLog(path)
