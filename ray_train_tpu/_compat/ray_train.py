@@ -299,10 +299,11 @@ def drain_node(node_id: str, deadline_s: float, reason: str) -> tuple[bool, str]
     """Ask Ray Core to drain node `node_id` (hex) for a preemption with a deadline
     `deadline_s` from now: what ``ray start`` does itself on SIGTERM
     (``Node._drain_node_before_shutdown``) and KubeRay's autoscaler before it
-    removes a pod. Ray Train's PreemptionWatcher then tells every worker
+    removes a pod; the simulated cluster uses it to stand in for them. Ray
+    Train's PreemptionWatcher then tells every worker
     (``ray.train.get_preemption_info``), waits for the deadline, and charges the
     restart to ``FailureConfig(max_preemption_failures)``. Needs a connected Ray
-    process (driver or worker). Returns (accepted, Ray's message or the error)."""
+    process. Returns (accepted, Ray's message or the error)."""
     from ray.core.generated import autoscaler_pb2
 
     try:
@@ -315,17 +316,6 @@ def drain_node(node_id: str, deadline_s: float, reason: str) -> tuple[bool, str]
         return bool(accepted), str(message or "")
     except Exception as e:  # not connected, or GCS unreachable: the caller decides
         return False, f"{type(e).__name__}: {e}"
-
-
-def drain_this_node(deadline_s: float, reason: str) -> tuple[bool, str]:
-    """`drain_node` for the node this process runs on."""
-    if not ray.is_initialized():
-        return False, "this process is not connected to a Ray cluster"
-    try:
-        node_id = ray.get_runtime_context().get_node_id()
-    except Exception as e:
-        return False, f"{type(e).__name__}: {e}"
-    return drain_node(node_id, deadline_s, reason)
 
 
 def in_train_worker() -> bool:

@@ -16,28 +16,30 @@ What Ray 2.60 does (and this module builds on):
 
 What `PreemptionGuard` adds, and only that:
 
-1. **SIGTERM at the worker.** A spot VM's shutdown signals every process; a
-   worker that dies of it is a worker failure (``max_failures``) unless Ray
-   drained the node first. The guard keeps the worker alive, records the notice
-   and asks Ray Core to drain this node with the deadline ``grace_period_s``
-   (`ray_train_tpu._compat.ray_train.drain_this_node`), so Ray's own path above
-   takes over.
+1. **A SIGTERM at the worker is a notice, not a death.** A spot VM's shutdown
+   signals every process, workers included, while ``ray start`` drains the node;
+   Ray's own handler makes the worker exit at once. With a guard armed the
+   worker lives on, and its SIGTERM counts at the next `requested` (before Ray's
+   watcher has polled the drain).
 2. **A cheap per-step check.** `requested` is one 4-byte all-reduce on the
    job's process group: True on every rank as soon as any rank has a notice,
    its own SIGTERM or Ray's. ``ray.train.get_preemption_info()`` is a barrier
-   through the controller's actor at every call, and learns of a SIGTERM only
-   after a drain and a watcher poll.
+   through the controller's actor at every call.
 3. **An end Ray counts as a preemption.** After the checkpoint the attempt must
    not end in an exception (Ray charges a worker error to ``max_failures``) nor
    return (the run would be finished). `stop` waits until Ray Train knows of the
    preemption and has collected the checkpoint's report, then parks the worker
    until Ray tears the group down at the deadline.
 
+The guard never drains a node itself: Ray also SIGTERMs workers when it tears a
+group down (removing its placement group), and a drain asked for then would
+take a healthy host out of the job. A SIGTERM without Ray's notice (no drain
+within a few seconds) ends the attempt with `Preempted` after the checkpoint.
+
 Removed because Ray does it: the guard's own timer that exited a worker when
 its grace period ran out (Ray tears the group down at the drain's deadline),
 and ending every preemption by raising `Preempted`, which Ray charged to
-``max_failures``. `Preempted` remains only for a notice Ray never learned of
-(no Ray Train worker, or the drain was refused), with a warning saying so.
+``max_failures``.
 
 Usage, on every rank::
 
@@ -99,7 +101,6 @@ class _State:
         self.noticed_at: Optional[float] = None
         self.wakeup: Optional[tuple] = None  # keeps the socket pair alive
         self.held_until = float("-inf")  # a taken notice's deadline, after disarming
-        self.drain: Optional[tuple] = None  # (accepted, message) of the drain request
 
 
 _state = _State()
@@ -154,7 +155,7 @@ def handler_installed() -> bool:
 
 
 def _notice() -> bool:
-    """Record a notice if a guard is armed, and hand it to Ray; True if armed."""
+    """Record a notice if a guard is armed; True if one is."""
     with _state.lock:
         grace = _state.grace_period_s
         if grace is None or _state.noticed_at is not None:
@@ -162,24 +163,9 @@ def _notice() -> bool:
         _state.noticed_at = time.monotonic()
     logger.warning(
         "ray_train_tpu: termination notice (SIGTERM) on pid %d; every rank checkpoints at the next "
-        "step boundary; asking Ray to drain this node (deadline in %.0f s)", os.getpid(), grace,
+        "step boundary (grace period %.0f s)", os.getpid(), grace,
     )
-    threading.Thread(target=_request_drain, args=(grace,), daemon=True, name="ray_train_tpu-drain").start()
     return True
-
-
-def _request_drain(grace_period_s: float) -> None:
-    """Turn the notice into Ray's own preemption of this node (see the module doc)."""
-    from ray_train_tpu._compat import ray_train as compat_ray
-
-    if compat_ray.preemption_pending():
-        _state.drain = (True, "Ray Train already knew of the preemption")
-        return
-    _state.drain = compat_ray.drain_this_node(
-        grace_period_s, f"ray_train_tpu: SIGTERM to worker pid {os.getpid()}")
-    if not _state.drain[0]:
-        logger.warning("ray_train_tpu: Ray did not drain this node after the termination notice (%s); the "
-                       "restart will count against FailureConfig(max_failures)", _state.drain[1])
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -215,7 +201,7 @@ class PreemptionGuard:
 
     Args:
         grace_period_s: seconds between a SIGTERM and the host's end (30 on GCE
-            spot VMs); the deadline of the drain the guard asks Ray for.
+            spot VMs); within it `stop` waits for Ray's notice and its reports.
         device: device of the flag tensor in `requested`'s all-reduce; default
             ``ray_train_tpu.get_device()``.
 
@@ -289,8 +275,8 @@ class PreemptionGuard:
         if not known:
             raise Preempted(
                 "stopped for a termination notice after reporting a checkpoint, but Ray Train never learned of "
-                f"the preemption ({_state.drain[1] if _state.drain else 'not a Ray Train worker, or no drain'}); "
-                "Ray Train counts this restart against FailureConfig(max_failures)")
+                "the preemption (no drain of the node: `ray start` drains it on SIGTERM, KubeRay before it "
+                "deletes a pod); Ray Train counts this restart against FailureConfig(max_failures)")
         logger.info("ray_train_tpu: preemption checkpoint reported; waiting for Ray Train to restart the run "
                     "at the preemption deadline%s", "" if deadline is None else f" (in {deadline:.0f} s)")
         while True:  # Ray Train kills this worker at the deadline (or when every worker exited)

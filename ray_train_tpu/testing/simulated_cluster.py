@@ -109,6 +109,15 @@ class SimulatedTPUCluster:
         if not accepted:
             raise RuntimeError(f"Ray refused to drain host {(slice_id, worker_id)}: {message}")
 
+    def preempt_host(self, slice_id: int, worker_id: int, deadline_s: float) -> list[int]:
+        """A spot VM's shutdown notice: ``ray start`` drains the node (`drain_host`) and
+        every process gets SIGTERM (`signal_workers`). The host itself stays up:
+        `remove_host` it by the deadline, as the VM goes away."""
+        import signal
+
+        self.drain_host(slice_id, worker_id, deadline_s, reason="simulated spot VM shutdown (SIGTERM)")
+        return self.signal_workers(slice_id, worker_id, signal.SIGTERM)
+
     def signal_workers(self, slice_id: int, worker_id: int, signum: int) -> list[int]:
         """Send `signum` to every Ray worker process on a host (not its raylet or
         agents) and return their pids: SIGTERM as a spot VM's shutdown sends it,

@@ -8,9 +8,9 @@ is driven by the test on its steps, through five attempts:
 - A1 on 3 slices: every raylet of slice 2 is killed -> a worker failure;
 - A2 on slices 0-1: slice 2 comes back -> Ray's elastic policy resizes;
 - A3 on 3 slices: SIGTERM to slice 1's worker *while it writes a periodic
-  checkpoint* (a notice; the guard asks Ray to drain the node), every rank
-  checkpoints at the next step, then the slice is killed before the deadline
-  -> a preemption;
+  checkpoint*, and Ray drains its node (what ``ray start`` does on the same
+  SIGTERM); every rank checkpoints at the next step, then the slice is killed
+  before the deadline -> a preemption;
 - A4 on slices 0 and 2: slice 2's worker freezes (SIGSTOP) mid-run -> the hang
   watch fails the attempt, naming its rank and host;
 - A5 on slices 0 and 2, from the last checkpoint, to the end.
@@ -203,6 +203,9 @@ class _Driver:
             time.sleep(0.05)
         noticed = json.loads((self.out / "noticed").read_text())
         self.events["notice"] = noticed["t"]
+        # What `ray start` does on the same SIGTERM (a spot VM's shutdown signals every
+        # process): drain the node for a preemption, with the notice's deadline.
+        self.sim.drain_host(1, 0, deadline_s=noticed["t"] + GRACE_S - time.time())
         time.sleep(max(0.0, noticed["t"] + GRACE_S - 2.0 - time.time()))  # reclaimed within its notice
         self.events["reclaim"] = time.time()
         self.sim.remove_slice(1)

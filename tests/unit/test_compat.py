@@ -99,7 +99,7 @@ def test_call_in_actor_runs_a_function_in_any_actor():
 
 def test_elastic_preemption_and_hang_seams_exist():
     """The Ray Train 2.60 internals behind add_worker_group_poll_hook, preemption_pending,
-    preemption_deadline_s, drain_node and raylet_pid; the torch ones behind
+    preemption_deadline_s, drain_node, raylet_pid and controller_state_log; the torch ones behind
     collective_sequence_numbers and batches_yielded."""
     from ray._private import ray_constants
     from ray._raylet import InnerGcsClient  # what GcsClient delegates drain_node to
@@ -112,6 +112,12 @@ def test_elastic_preemption_and_hang_seams_exist():
     assert "callback.after_worker_group_poll_status(worker_group_poll_status)" in inspect.getsource(WorkerGroup.poll_status)
     assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
     assert callable(WorkerGroupCallback.after_worker_group_poll_status)
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    assert callable(ControllerCallback.after_controller_state_update)
+    assert "training_failed_error" in inspect.signature(RestartingState.__init__).parameters
+    assert isinstance(compat_ray.controller_state_log("/tmp/x.jsonl"), ControllerCallback)
     status = WorkerGroupPollStatus(worker_statuses={})
     assert status.get_preemption_info() is None and status.errors == {}
     assert PreemptionContext().preemption_info is None
@@ -129,4 +135,4 @@ def test_elastic_preemption_and_hang_seams_exist():
     it = iter(loader)
     next(it)
     assert compat_torch.batches_yielded(it) == 1
-    assert compat_ray.drain_this_node(5, "test") == (False, "this process is not connected to a Ray cluster")
+    assert compat_ray.drain_node("ab" * 28, 5, "test")[0] is False  # not connected: refused, no exception
