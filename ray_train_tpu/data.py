@@ -57,6 +57,11 @@ class _ShardSampler(StatefulDistributedSampler):
         super().__init__(dataset, **kwargs)
         self.start = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0  # the position of a world-size change belongs to its epoch only
+        super().set_epoch(epoch)
+
     def __iter__(self):
         if not self.start:
             return super().__iter__()

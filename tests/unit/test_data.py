@@ -310,3 +310,17 @@ def test_a_state_saved_after_a_restore_but_before_the_first_batch_keeps_the_posi
     third.load_state_dict(again.state_dict())
     third.set_epoch(0)
     assert first + [b.tolist() for b in third] == _epochs(_loader(), 1)
+
+
+def test_the_epoch_after_a_world_size_change_is_whole():
+    """The re-sharding position belongs to the epoch it was saved in; the next epoch
+    is the whole data set again, sharded over the new world."""
+    state = _take(_world(3, N, 6), 2)[1]  # 3 ranks, 2 batches of 2: 12 samples of epoch 0
+    loaders = _world(2, N, 6)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    rest = [[i for b in _epochs(l, 1) for i in b] for l in loaders]  # the rest of epoch 0
+    assert sorted(rest[0] + rest[1]) == sorted(_order(0)[12:12 + 2 * len(rest[0])])
+    epoch1 = [[i for b in _epochs(l, 2, start=1) for i in b] for l in loaders]
+    assert len(set(epoch1[0] + epoch1[1])) == 2 * (N // 2 // 3 * 3)  # whole batches of 3 on each rank
+    assert epoch1 == [[i for b in _epochs(l, 2, start=1) for i in b] for l in _world(2, N, 6)]
