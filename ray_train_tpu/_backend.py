@@ -170,7 +170,8 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
     def _watch_collectives(self, worker_group, timeout_s: float, placement: Layout, reports) -> None:
         """Fail this attempt when a collective some ranks never join makes no
         progress for `timeout_s` (`ray_train_tpu.hang`), from Ray Train's poll."""
-        hosts = [f"{placement.hosts[_node_rank(r, placement)]} ({reports[r].slice_name})" for r in range(len(reports))]
+        hosts = [f"{placement.hosts[_node_rank(rank, placement)]} ({report.slice_name})"
+                 for rank, report in enumerate(reports)]
         watch = CollectiveWatch(
             ask=lambda rank: worker_group.execute_single_async(rank, _worker_fns.collective_progress),
             num_ranks=len(reports),

@@ -178,7 +178,8 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
                     f"{sorted(state_dict)}); pass what ShardedStatefulDataLoader.state_dict() returned"
                 )
         saved = state_dict["sharding"]
-        resharding = (saved.get("world_size"), saved.get("rank")) != (self._sharding["world_size"], self._sharding["rank"])
+        ours = self._sharding
+        resharding = (saved.get("world_size"), saved.get("rank")) != (ours["world_size"], ours["rank"])
         self._check_sharding(saved, resharding)
         self._epoch = state_dict["epoch"]
         self.sampler.set_epoch(self._epoch)

@@ -123,7 +123,8 @@ class TPUScalingConfig(ScalingConfig):
 
     def _derive_num_workers(self, topo: Topology) -> Union[int, tuple]:
         per_slice = topo.num_devices
-        implied = (per_slice * self.min_slices, per_slice * self.max_slices) if self.elastic else per_slice * self.num_slices
+        implied = per_slice * self.num_slices if not self.elastic else (
+            per_slice * self.min_slices, per_slice * self.max_slices)
         given = tuple(self.num_workers) if isinstance(self.num_workers, list) else self.num_workers
         if given is None or given == implied:
             return implied

@@ -265,10 +265,11 @@ class PreemptionGuard:
         `Preempted` if Ray never learned of the notice."""
         from ray_train_tpu._compat import ray_train as compat_ray
 
-        known = compat_ray.in_train_worker() and _wait_for(compat_ray.preemption_pending, self._time_left(_RAY_NOTICE_TIMEOUT_S))
+        known = compat_ray.in_train_worker() and _wait_for(
+            compat_ray.preemption_pending, self._time_left(_RAY_NOTICE_TIMEOUT_S))
         deadline = compat_ray.preemption_deadline_s() if known else None
-        collected = compat_ray.wait_for_reports_collected(
-            max(0.0, min(_COLLECT_TIMEOUT_S, deadline if deadline is not None else self._time_left(_COLLECT_TIMEOUT_S))))
+        budget = deadline if deadline is not None else self._time_left(_COLLECT_TIMEOUT_S)
+        collected = compat_ray.wait_for_reports_collected(max(0.0, min(_COLLECT_TIMEOUT_S, budget)))
         if not collected:
             logger.warning("ray_train_tpu: Ray Train had not collected the preemption checkpoint's report "
                            "when this worker stopped; the retry may resume from an earlier checkpoint")
