@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -174,7 +175,8 @@ class _PlacementWatch(threading.Thread):
         return max((v for v in self.created.values() if t0 < v <= t1), default=float("nan"))
 
 
-def _event(kind: str, t_event: float, attempt: dict, states: list, watch: _PlacementWatch, lost_from: int) -> dict:
+def _event(kind: str, t_event: float, attempt: dict, states: list, watch: _PlacementWatch,
+           lost_from: Optional[int]) -> dict:
     left = "RestartingState" if kind == "loss" else "ResizingState"
     t_detect = min(s["t"] for s in states if s["to"] == left and s["t"] >= t_event)
     t_placed = watch.placed_between(t_detect, attempt["t_fn"])
@@ -185,7 +187,8 @@ def _event(kind: str, t_event: float, attempt: dict, states: list, watch: _Place
     total = attempt["t_first_step"] - t_event
     return {"kind": kind, "world_after": attempt["world"], **parts, "total_s": round(total, 3),
             "total_without_restore_s": round(total - parts["restore_s"], 3), "failed_starts": failed_starts,
-            "steps_redone": lost_from - (attempt["resumed_from"] or 0)}
+            # the steps since the restored checkpoint (a loss; a resize restarts later than the return)
+            "steps_redone": None if lost_from is None else lost_from - (attempt["resumed_from"] or 0)}
 
 
 def measure(args: argparse.Namespace) -> list:
@@ -225,18 +228,17 @@ def measure(args: argparse.Namespace) -> list:
             sim.remove_slice(2)
             lost = _wait_for_attempt(out, 2 * sim.topology.num_devices, after=t_loss)
             time.sleep(2.0)
-            step_at_return = int((out / "step").read_text().split()[1])
             t_return = time.time()
             sim.add_slice(2)
             back = _wait_for_attempt(out, 3 * sim.topology.num_devices, after=t_return)
-            marks.append((t_loss, lost, step, t_return, back, step_at_return))
+            marks.append((t_loss, lost, step, t_return, back))
         (out / "stop").write_text("done")
         fit.join(300)
         watch.stop.set()
         states = [json.loads(line) for line in (out / "states.jsonl").read_text().splitlines()]
-        for t_loss, lost, step, t_return, back, step_at_return in marks:
+        for t_loss, lost, step, t_return, back in marks:
             events.append(_event("loss", t_loss, lost, states, watch, step))
-            events.append(_event("return", t_return, back, states, watch, step_at_return))
+            events.append(_event("return", t_return, back, states, watch, None))
         del first
     return events
 
