@@ -8,7 +8,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Each simulated-cluster benchmark starts and stops its own cluster; run one at a time.
-SCRIPTS = ["plan_scaling.py", "step_overhead.py", "startup.py", "strategy_memory.py"]
+SCRIPTS = ["plan_scaling.py", "step_overhead.py", "startup.py", "strategy_memory.py", "elastic_recovery.py"]
 
 
 def main() -> int:

@@ -36,6 +36,7 @@ from ray_train_tpu import constants as C
 from ray_train_tpu.checkpoint.preemption import install_handler as install_preemption_handler
 from ray_train_tpu._compat import ray_train as compat_ray
 from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout, order_slice_hosts
+from ray_train_tpu.hang import CollectiveHangError, CollectiveWatch, HangDetector
 from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type
@@ -90,11 +91,7 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         mode = job_mode(reports)
         topology = _resolve_topology(reports, backend_config)
         num_slices = len({r.slice_name for r in reports})
-        if backend_config.num_slices not in (None, num_slices):
-            raise ValueError(
-                f"TPUTorchConfig(num_slices={backend_config.num_slices}) but the workers "
-                f"span {num_slices} slice(s); size the job with TPUScalingConfig(num_slices=...)"
-            )
+        _check_num_slices(backend_config.num_slices, num_slices)
         placement = _layout(reports, topology, num_slices)
         envs = self._worker_envs(worker_group, reports, placement, topology, num_slices, backend_config, mode)
         ray.get([
@@ -110,9 +107,14 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             accelerator_type=topology.accelerator_type,
             num_slices=num_slices,
         )
+        if backend_config.hang_timeout_s is not None:
+            self._watch_collectives(worker_group, backend_config.hang_timeout_s, placement, reports)
         logger.info(
-            "ray_train_tpu: %s process group of %d workers on %d x %s%s",
+            "ray_train_tpu: %s process group of %d workers on %d x %s%s%s",
             backend, len(envs), num_slices, topology,
+            "" if not isinstance(backend_config.num_slices, tuple) else
+            f" (elastic {backend_config.num_slices[0]}..{backend_config.num_slices[1]} slices: "
+            f"{', '.join(sorted({r.slice_name for r in reports}))})",
             " (SIMULATED: a 'tpu' device over CPU memory, gloo underneath)" if mode is Mode.SIMULATE else "",
         )
 
@@ -167,6 +169,30 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             self._busy_ranks = frozenset(e.ranks)
             raise
 
+    def _watch_collectives(self, worker_group, timeout_s: float, placement: Layout, reports) -> None:
+        """Fail this attempt when a collective some ranks never join makes no
+        progress for `timeout_s` (`ray_train_tpu.hang`), from Ray Train's poll."""
+        hosts = [f"{placement.hosts[_node_rank(rank, placement)]} ({report.slice_name})"
+                 for rank, report in enumerate(reports)]
+        watch = CollectiveWatch(
+            ask=lambda rank: worker_group.execute_single_async(rank, _worker_fns.collective_progress),
+            num_ranks=len(reports),
+            detector=HangDetector(timeout_s, hosts, now=time.monotonic()),
+        )
+
+        def on_poll(preempting: bool, failing: bool) -> None:
+            if preempting or failing:  # Ray Train's own preemption and failure handling own this attempt
+                return
+            try:
+                watch.poll()
+            except CollectiveHangError:
+                # Every rank may be inside a collective: shutdown must not queue calls behind them.
+                self._busy_ranks = frozenset(range(len(reports)))
+                raise
+
+        if not compat_ray.add_worker_group_poll_hook(worker_group, on_poll):
+            logger.info("ray_train_tpu: not a Ray Train worker group; hang detection is off")
+
     def on_shutdown(self, worker_group, backend_config):
         ranks = [i for i in range(len(worker_group)) if i not in self._busy_ranks]
         futures = [worker_group.execute_single_async(i, _worker_fns.leave_process_group) for i in ranks]
@@ -194,6 +220,16 @@ def _wait_all(calls: list, cfg: TPUTorchConfig, placement: Layout, backend: str,
             f"host(s) {', '.join(hosts)}. Check that those hosts are up and reachable "
             f"(MASTER_ADDR={placement.hosts[0]}), or raise TPUTorchConfig(rendezvous_timeout_s=...)",
             missing,
+        )
+
+
+def _check_num_slices(wanted, live: int) -> None:
+    """The live slices fit `TPUTorchConfig(num_slices=...)` (a count or an elastic range)."""
+    low, high = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+    if wanted is not None and not low <= live <= high:
+        raise ValueError(
+            f"TPUTorchConfig(num_slices={wanted!r}) but the workers span {live} slice(s); size the job "
+            "with TPUScalingConfig(num_slices=...) (a (min, max) range for an elastic job)"
         )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 # Google's largest reported Multislice job ran 199 slices (50,944 TPU v5e chips
 # in slices of 256); allow a little more, refuse what only a typo produces.
@@ -114,6 +114,33 @@ def check_port(where: str, field: str, value: Any, *, span: int = 1, fix: Option
 def check_num_slices(where: str, value: Any, *, field: str = "num_slices", fix: Optional[str] = None) -> int:
     return check_int(where, field, value, min=1, max=MAX_NUM_SLICES, why=None,
                      fix=fix or f"{MAX_NUM_SLICES_WHY}; e.g. {field}=1")
+
+
+def check_num_slices_range(where: str, value: Any, *, field: str = "num_slices") -> Union[int, tuple[int, int]]:
+    """A slice count, or an elastic range ``(min, max)`` of slice counts with
+    ``1 <= min <= max``; a list is accepted as a tuple.
+
+    Example:
+        >>> check_num_slices_range("TPUScalingConfig", [2, 4])
+        (2, 4)
+        >>> check_num_slices_range("TPUScalingConfig", (3, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: TPUScalingConfig(num_slices=(3, 2)) must be a (min, max) range with min <= max, got (3, 2); e.g. num_slices=(2, 3)
+    """
+    if not isinstance(value, (tuple, list)):
+        return check_num_slices(where, value, field=field)
+    rule = "an integer or a (min, max) range of integers"
+    if len(value) != 2 or not all(_is_int(v) for v in value):
+        raise fail(where, field, value, rule, f"e.g. {field}=(2, 4): at least 2 and at most 4 slices")
+    low, high = value
+    if low < 1:
+        raise fail(where, field, tuple(value), "a range of whole slices (min >= 1)",
+                   f"a job runs on at least one whole slice; e.g. {field}=(1, {max(high, 1)})")
+    if low > high:
+        raise fail(where, field, tuple(value), "a (min, max) range with min <= max", f"e.g. {field}=({high}, {low})")
+    check_num_slices(where, high, field=f"{field}[1]")
+    return (low, high)
 
 
 def check_bool(where: str, field: str, value: Any, *, fix: Optional[str] = None) -> bool:

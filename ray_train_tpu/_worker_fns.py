@@ -198,3 +198,12 @@ def leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_progress() -> dict:
+    """For the backend's hang watch (`ray_train_tpu.hang`): how many collectives
+    this worker issued in each of its process groups, {name: (ranks, count)}.
+    Runs on the actor's own thread while the training thread may be blocked."""
+    from ray_train_tpu._compat import torch as compat_torch
+
+    return compat_torch.collective_sequence_numbers()

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ray.train.torch import TorchConfig
 
 from ray_train_tpu import _validate as V
 from ray_train_tpu import constants as C
 from ray_train_tpu._backend import _TPUTorchBackend
+from ray_train_tpu.hang import DEFAULT_HANG_TIMEOUT_S
 from ray_train_tpu.topology import MAX_DEVICES_PER_HOST, Topology
 
 BACKENDS = ("auto", "tpu_dist", "gloo", "nccl")
@@ -44,7 +45,14 @@ class TPUTorchConfig(TorchConfig):
         extra_env: more variables for every worker; they also override computed
             ones (with a warning naming each), except ranks, which Ray fixes.
         num_slices: slices in the job; by default the number of slice names the
-            workers report, and checked against them when given.
+            workers report, and checked against them when given. ``(min, max)``
+            for an elastic job: each attempt runs on the live slices, and their
+            count must lie in the range.
+        hang_timeout_s: a collective that some ranks never join fails the attempt
+            after this many seconds without progress on any rank, naming the
+            missing ranks and hosts (`ray_train_tpu.hang`); Ray Train retries it
+            from the last checkpoint. ``None`` turns the watch off. It must exceed
+            the longest time one rank works alone (a compile, a save).
         strategy: the parallelism strategy that ``prepare_model`` applies (set by
             `TPUTorchTrainer`); ``None`` means DDP.
 
@@ -66,8 +74,9 @@ class TPUTorchConfig(TorchConfig):
     master_port: Optional[int] = None
     megascale_port: int = C.DEFAULT_MEGASCALE_PORT
     extra_env: dict = dataclasses.field(default_factory=dict)
-    num_slices: Optional[int] = None
+    num_slices: Union[None, int, tuple] = None
     strategy: Any = None
+    hang_timeout_s: Optional[float] = DEFAULT_HANG_TIMEOUT_S
 
     def __post_init__(self):
         if self.backend is None:
@@ -91,7 +100,10 @@ class TPUTorchConfig(TorchConfig):
             V.check_port("TPUTorchConfig", "master_port", self.master_port)
         self.extra_env = V.check_env("TPUTorchConfig", "extra_env", self.extra_env)
         if self.num_slices is not None:
-            V.check_num_slices("TPUTorchConfig", self.num_slices)
+            self.num_slices = V.check_num_slices_range("TPUTorchConfig", self.num_slices)
+        if self.hang_timeout_s is not None:
+            V.check_seconds("TPUTorchConfig", "hang_timeout_s", self.hang_timeout_s,
+                            fix="e.g. hang_timeout_s=600, or None to turn hang detection off")
         if (self.topology is None) != (self.accelerator_type is None):
             raise ValueError(
                 "TPUTorchConfig needs both topology and accelerator_type, or neither "

@@ -6,6 +6,19 @@ loader built the same way after a restart and given that state yields exactly
 the batches the interrupted run had not yet seen. `ray_train_tpu.checkpoint`
 saves it per rank.
 
+Across a world-size change (an elastic job that lost or regained slices) the
+state also says how many samples of the epoch's order the whole job consumed
+(every rank takes the same number of batches, as data-parallel training does);
+a loader of the new world resumes the epoch right after them, sharding the rest
+over its ranks as ``DistributedSampler`` shards a whole epoch. Within an epoch
+no sample is seen twice or skipped (with ``drop_last``, only the last
+``world_size - 1`` samples that do not split evenly, as always).
+
+Batch policy (docs/elastic.md): ``global_batch_size=`` keeps the global batch
+(the per-rank batch is ``global_batch_size // world_size``, so each step and the
+learning-rate schedule see the same number of samples whatever the slices);
+``batch_size=`` keeps the per-rank batch (the global batch changes with the slices).
+
 Example:
     >>> from ray_train_tpu.data import stateful_dataloader
     >>> loader = stateful_dataloader(list(range(8)), batch_size=2, rank=0, world_size=2)
@@ -16,18 +29,71 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from typing import Optional
 
 import torch
+from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from ray_train_tpu._compat import torch as compat_torch
 
 logger = logging.getLogger(__name__)
 
 # StatefulDataLoader's flag for "this epoch's iterator ran to its end".
 _FINISHED = "_iterator_finished"
+
+
+class _ShardSampler(StatefulDistributedSampler):
+    """torchdata's ``StatefulDistributedSampler`` plus ``start``: the epoch's
+    first ``start`` samples (in its order) were consumed by a job of another
+    world size; the rest is padded or trimmed for this one and sharded as
+    ``DistributedSampler`` shards a whole epoch. ``start=0`` is torchdata's."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0  # the position of a world-size change belongs to its epoch only
+        super().set_epoch(epoch)
+
+    def __iter__(self):
+        if not self.start:
+            return super().__iter__()
+        return self._rest_of_shard()
+
+    def __len__(self) -> int:
+        return super().__len__() if not self.start else len(self._rest()) // self.num_replicas
+
+    def state_dict(self) -> dict:
+        # torchdata's sampler applies a loaded position only once its generator starts;
+        # a state taken before that (restore, then save before the first batch) must
+        # still hold the loaded position, or the next resume reads those samples again.
+        yielded = self.yielded if self.next_yielded is None else self.next_yielded
+        return {self._YIELDED: yielded}
+
+    def _rest_of_shard(self):
+        self.yielded, self.next_yielded = self.next_yielded or 0, None
+        for idx in itertools.islice(self._rest()[self.rank::self.num_replicas], self.yielded, None):
+            self.yielded += 1
+            yield idx
+
+    def _rest(self) -> list:
+        # The epoch's order from DistributedSampler itself (one replica, nothing dropped).
+        whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole.set_epoch(self.epoch)
+        order = list(whole)
+        rest = order[self.start:]
+        extra = len(rest) % self.num_replicas
+        if self.drop_last:
+            return rest[: len(rest) - extra]
+        pad = (self.num_replicas - extra) % self.num_replicas
+        return rest + (order * (pad // max(1, len(order)) + 1))[:pad]  # as DistributedSampler pads
 
 
 class ShardedStatefulDataLoader(StatefulDataLoader):
@@ -39,8 +105,8 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
     """
 
     def __init__(self, dataset, *, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
-                 rank: int, world_size: int, **kwargs):
-        sampler = StatefulDistributedSampler(
+                 rank: int, world_size: int, global_batch_size: Optional[int] = None, **kwargs):
+        sampler = _ShardSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         if kwargs.get("generator") is None:
@@ -53,6 +119,7 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
         self._sharding = {
             "world_size": world_size, "rank": rank, "seed": seed, "shuffle": shuffle,
             "drop_last": drop_last, "batch_size": batch_size, "num_samples": len(dataset),
+            "global_batch_size": global_batch_size,
         }
 
     @property
@@ -83,13 +150,23 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
             self._generator_at_iter = before
         return out
 
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all ranks."""
+        return self._sharding["batch_size"] * self._sharding["world_size"]
+
     def state_dict(self) -> dict:
         loader = self._drawing(super().state_dict)
-        epoch, generator = self._epoch, self._generator_at_iter
+        epoch, generator, start = self._epoch, self._generator_at_iter, self.sampler.start
         if loader.get(_FINISHED):
             # The epoch was read to its end: resume at the start of the next one.
-            epoch, loader, generator = epoch + 1, {}, self.generator.get_state()
-        return {"epoch": epoch, "sharding": dict(self._sharding), "loader": loader, "generator": generator}
+            epoch, loader, generator, start = epoch + 1, {}, self.generator.get_state(), 0
+        # The whole job's position in the epoch's order (ranks read in lockstep).
+        consumed = start if not loader else min(
+            self._sharding["num_samples"],
+            start + self.global_batch_size * compat_torch.batches_yielded(self._iterator))
+        return {"epoch": epoch, "sharding": dict(self._sharding), "loader": loader, "generator": generator,
+                "start": start, "consumed": consumed}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not isinstance(state_dict, dict):
@@ -101,24 +178,50 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
                     f"{sorted(state_dict)}); pass what ShardedStatefulDataLoader.state_dict() returned"
                 )
         saved = state_dict["sharding"]
-        for field, ours in self._sharding.items():
-            if saved.get(field) != ours:
-                raise ValueError(
-                    f"stateful_dataloader: the state was saved with {field}={saved.get(field)!r}, this loader "
-                    f"has {field}={ours!r}; a position resumes exactly only with the same sharding: build "
-                    f"the loader with {field}={saved.get(field)!r}, or start the epoch afresh"
-                )
+        ours = self._sharding
+        resharding = (saved.get("world_size"), saved.get("rank")) != (ours["world_size"], ours["rank"])
+        self._check_sharding(saved, resharding)
         self._epoch = state_dict["epoch"]
         self.sampler.set_epoch(self._epoch)
         if state_dict.get("generator") is not None:
             self.generator.set_state(state_dict["generator"])
-        super().load_state_dict(state_dict["loader"])
+        if not resharding:
+            self.sampler.start = state_dict.get("start", 0)
+            super().load_state_dict(state_dict["loader"])
+            return
+        if "consumed" not in state_dict:
+            raise ValueError("stateful_dataloader: the state has no 'consumed' position (saved by an older "
+                             "ray_train_tpu); it resumes only with the same world_size and rank")
+        self.sampler.start = state_dict["consumed"]
+        super().load_state_dict({})  # a fresh iterator over the rest of the epoch
+        logger.info("ray_train_tpu.data: epoch %d resumes at sample %d of %d, re-sharded from %d to %d ranks",
+                    self._epoch, state_dict["consumed"], saved["num_samples"], saved["world_size"],
+                    self._sharding["world_size"])
+
+    def _check_sharding(self, saved: dict, resharding: bool) -> None:
+        """The same data and order; across a world-size change, the same batch policy."""
+        fields = ["seed", "shuffle", "drop_last", "num_samples"]
+        if not resharding:
+            fields += ["world_size", "rank", "batch_size"]
+        elif saved.get("global_batch_size") is not None or self._sharding["global_batch_size"] is not None:
+            fields += ["global_batch_size"]
+        else:
+            fields += ["batch_size"]  # the per-rank batch policy keeps it
+        for field in fields:
+            theirs, ours = saved.get(field), self._sharding[field]
+            if theirs != ours:
+                raise ValueError(
+                    f"stateful_dataloader: the state was saved with {field}={theirs!r}, this loader "
+                    f"has {field}={ours!r}; a position resumes only with the same data, order and batch "
+                    f"policy: build the loader with {field}={theirs!r}, or start the epoch afresh"
+                )
 
 
 def stateful_dataloader(
     dataset,
     *,
-    batch_size: int,
+    batch_size: Optional[int] = None,
+    global_batch_size: Optional[int] = None,
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = True,
@@ -130,7 +233,11 @@ def stateful_dataloader(
     """A resumable data loader over this rank's shard of a map-style ``dataset``.
 
     Args:
-        batch_size: samples per batch on each rank.
+        batch_size: samples per batch on each rank (kept across a world-size change).
+        global_batch_size: samples per step over all ranks, kept across a
+            world-size change (each rank takes ``global_batch_size // world_size``);
+            give this or ``batch_size``. It must divide by every world size the job
+            may run at (an elastic job: each slice count in its range).
         shuffle, seed: shuffle with ``seed + epoch`` (the same on every rank).
         drop_last: drop the tail that does not divide evenly among the ranks,
             and a last incomplete batch (False pads the shards by repeating samples).
@@ -152,16 +259,30 @@ def stateful_dataloader(
         >>> len(list(again))   # the 3 batches not yet seen
         3
     """
-    for field, value in (("batch_size", batch_size), ("seed", seed), ("num_workers", num_workers)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if field == "batch_size" else 0):
-            raise ValueError(f"stateful_dataloader({field}={value!r}) must be an integer >= "
-                             f"{1 if field == 'batch_size' else 0}")
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError(
+            f"stateful_dataloader(batch_size={batch_size!r}, global_batch_size={global_batch_size!r}): give "
+            "exactly one: global_batch_size keeps the samples per step when the world size changes, "
+            "batch_size keeps the samples per rank")
+    sizes = (("batch_size", batch_size), ("global_batch_size", global_batch_size))
+    for field, value in [(f, v) for f, v in sizes if v is not None] + [("seed", seed), ("num_workers", num_workers)]:
+        least = 1 if field.endswith("batch_size") else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"stateful_dataloader({field}={value!r}) must be an integer >= {least}")
     if "sampler" in kwargs or "batch_sampler" in kwargs:
         raise ValueError("stateful_dataloader shards with its own sampler; do not pass sampler or batch_sampler")
     rank, world_size = _rank_world(rank, world_size)
+    if global_batch_size is not None:
+        if global_batch_size % world_size:
+            raise ValueError(
+                f"stateful_dataloader(global_batch_size={global_batch_size}) does not divide among "
+                f"world_size={world_size} ranks; choose a global batch that every world size of the job "
+                "divides (for num_slices=(min, max): each count in the range x workers per slice), or pass "
+                "batch_size= to keep the per-rank batch instead")
+        batch_size = global_batch_size // world_size
     return ShardedStatefulDataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-        rank=rank, world_size=world_size, num_workers=num_workers, **kwargs,
+        rank=rank, world_size=world_size, global_batch_size=global_batch_size, num_workers=num_workers, **kwargs,
     )
 
 

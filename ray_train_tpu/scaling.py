@@ -26,12 +26,21 @@ class TPUScalingConfig(ScalingConfig):
     On TPU-V7X a worker is one of the chip's two TensorCores (see
     `ray_train_tpu.topology`), so there are ``2 * num_chips`` per slice.
 
+    Elastic: ``num_slices=(min, max)`` becomes Ray's worker range
+    ``num_workers=(min * per_slice, max * per_slice)``, so Ray Train's
+    elastic policy runs each attempt on as many whole, intact slices as the
+    cluster has (at least ``min``, at most ``max``; it counts intact slices
+    with ``ray.util.tpu.get_num_tpu_slices``) and resizes a running job when
+    slices come back (``elastic_resize_monitor_interval_s``). See docs/elastic.md.
+
     Args:
         topology: slice mesh in chips, e.g. ``"4x4"`` or ``"2x2x2"``.
         accelerator_type: ``"TPU-V4"``, ``"TPU-V5P"``, ``"TPU-V5LITEPOD"``,
             ``"TPU-V6E"`` or ``"TPU-V7X"``.
-        num_slices: slices to train on, connected over DCN.
-        num_workers: optional; if given it must equal what the topology implies.
+        num_slices: slices to train on, connected over DCN; or ``(min, max)``
+            for an elastic job.
+        num_workers: optional; if given it must equal what the topology implies
+            (a ``(min, max)`` pair for an elastic job).
         resources_per_worker: optional; ``"TPU"`` must be 1. Other resources
             (e.g. ``"CPU"``, ``"memory"``) are passed to Ray unchanged.
 
@@ -39,11 +48,14 @@ class TPUScalingConfig(ScalingConfig):
         >>> sc = TPUScalingConfig(topology="4x4", accelerator_type="TPU-V6E")
         >>> sc.num_workers, sc.resources_per_worker
         (16, {'TPU': 1})
+        >>> elastic = TPUScalingConfig(topology="4x4", accelerator_type="TPU-V6E", num_slices=(2, 4))
+        >>> elastic.num_workers, elastic.min_slices, elastic.max_slices
+        ((32, 64), 2, 4)
     """
 
     num_workers: Optional[Union[int, tuple]] = None  # derived from the topology
     use_tpu: bool = True
-    num_slices: int = 1
+    num_slices: Union[int, tuple] = 1
 
     def __post_init__(self):
         if self.topology is None or self.accelerator_type is None:
@@ -63,8 +75,8 @@ class TPUScalingConfig(ScalingConfig):
                 "ray.train.ScalingConfig(use_gpu=True) for GPUs"
             )
         topo = Topology.parse(self.topology, self.accelerator_type)
-        V.check_num_slices("TPUScalingConfig", self.num_slices)
-        V.check_job_size(topo, self.num_slices, where="TPUScalingConfig")
+        self.num_slices = V.check_num_slices_range("TPUScalingConfig", self.num_slices)
+        V.check_job_size(topo, self.max_slices, where="TPUScalingConfig")
         if self.resources_per_worker is not None:
             V.check_resources("TPUScalingConfig", "resources_per_worker", self.resources_per_worker)
         # Ray's spellings, so that its placement and validation see the same slice.
@@ -84,6 +96,19 @@ class TPUScalingConfig(ScalingConfig):
     def workers_per_slice(self) -> int:
         return self.tpu_topology.num_devices
 
+    @property
+    def elastic(self) -> bool:
+        """True for a ``num_slices=(min, max)`` job."""
+        return isinstance(self.num_slices, tuple)
+
+    @property
+    def min_slices(self) -> int:
+        return self.num_slices[0] if self.elastic else self.num_slices
+
+    @property
+    def max_slices(self) -> int:
+        return self.num_slices[1] if self.elastic else self.num_slices
+
     def _derive_resources(self) -> dict:
         resources = dict(self.resources_per_worker or {})
         tpus = resources.setdefault("TPU", 1)
@@ -96,18 +121,26 @@ class TPUScalingConfig(ScalingConfig):
             )
         return resources
 
-    def _derive_num_workers(self, topo: Topology) -> int:
-        implied = topo.num_devices * self.num_slices
+    def _derive_num_workers(self, topo: Topology) -> Union[int, tuple]:
+        per_slice = topo.num_devices
+        implied = per_slice * self.num_slices if not self.elastic else (
+            per_slice * self.min_slices, per_slice * self.max_slices)
+        given = tuple(self.num_workers) if isinstance(self.num_workers, list) else self.num_workers
+        if given is None or given == implied:
+            return implied
         unit = "TensorCore" if topo.devices_per_chip > 1 else "chip"
-        if self.num_workers is not None and self.num_workers != implied:
+        if self.elastic and not isinstance(given, tuple):
             raise ValueError(
-                f"TPUScalingConfig(num_workers={self.num_workers!r}) contradicts "
-                f"topology {topo.name!r} on {topo.accelerator_type} x {self.num_slices} "
-                f"slice(s), which implies {implied} workers (one per {unit}: "
-                f"{topo.num_hosts} hosts x {topo.devices_per_host}); omit num_workers "
-                f"or set it to {implied}"
+                f"TPUScalingConfig(num_workers={given!r}) is fixed but num_slices={self.num_slices!r} is an "
+                f"elastic range; omit num_workers: the job runs {implied[0]}..{implied[1]} workers (one per "
+                f"{unit}, {per_slice} a slice of {topo.name!r}), on as many whole slices as are free"
             )
-        return implied
+        raise ValueError(
+            f"TPUScalingConfig(num_workers={given!r}) contradicts topology {topo.name!r} on "
+            f"{topo.accelerator_type} x {self.num_slices!r} slice(s), which implies {implied!r} workers (one per "
+            f"{unit}: {topo.num_hosts} hosts x {topo.devices_per_host}); omit num_workers or set it to "
+            f"{implied!r}" + ("" if self.elastic else "; for an elastic job give num_slices=(min, max)")
+        )
 
     @staticmethod
     def _check_resource_per_chip(topo: Topology) -> None:

@@ -57,8 +57,9 @@ class TPUTorchTrainer(TorchTrainer):
 
         torch_config = _tpu_torch_config(torch_config, scaling_config)
         chosen = get_strategy(strategy)
-        topology, num_slices, world_size = _slice_of(scaling_config)
-        chosen.validate(topology, num_slices, world_size)
+        topology, sizes = _slice_of(scaling_config)
+        for num_slices, world_size in sizes:  # an elastic job: every size it may run at
+            chosen.validate(topology, num_slices, world_size)
         torch_config.strategy = chosen
         self.strategy = chosen
         super().__init__(
@@ -102,16 +103,22 @@ def _tpu_torch_config(torch_config: Optional[TorchConfig], scaling_config) -> TP
     )
 
 
-def _slice_of(scaling_config) -> tuple[Optional[Topology], int, int]:
-    """(topology, num_slices, world size) that the strategy must fit."""
+def _slice_of(scaling_config) -> tuple[Optional[Topology], list[tuple[int, int]]]:
+    """The topology and the (num_slices, world size) pairs the strategy must fit:
+    one, or one per slice count of an elastic range."""
     if isinstance(scaling_config, TPUScalingConfig):
-        return scaling_config.tpu_topology, scaling_config.num_slices, scaling_config.num_workers
+        per_slice = scaling_config.workers_per_slice
+        return scaling_config.tpu_topology, [
+            (n, n * per_slice) for n in range(scaling_config.min_slices, scaling_config.max_slices + 1)]
     if scaling_config is None:
-        return None, 1, 1
+        return None, [(1, 1)]
     workers = scaling_config.num_workers
-    world_size = workers if isinstance(workers, int) else workers[1]
+    low, high = (workers, workers) if isinstance(workers, int) else workers
     topology = None
     if getattr(scaling_config, "use_tpu", False) and scaling_config.topology and scaling_config.accelerator_type:
         topology = Topology.parse(scaling_config.topology, scaling_config.accelerator_type)
-    num_slices = max(1, world_size // topology.num_devices) if topology else 1
-    return topology, num_slices, world_size
+    if topology is None:
+        return None, [(1, high)]
+    per_slice = topology.num_devices
+    return topology, [(max(1, n // per_slice), n) for n in range(low, high + 1, per_slice) if n >= per_slice] or [
+        (max(1, high // per_slice), high)]

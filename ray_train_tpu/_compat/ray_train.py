@@ -297,3 +297,107 @@ def simulated_subslice_discovery(coords_fn: Callable[[], list]):
         yield
     finally:
         ray_tpu._discover_tpu_node_coords = original
+
+
+# --- elastic, preemption and hang detection (issue 26) -----------------------------
+
+
+def add_worker_group_poll_hook(worker_group: Any, on_poll: Callable[..., None]) -> bool:
+    """Call ``on_poll(preempting=..., failing=...)`` after every poll of this
+    worker group's status (Ray Train 2.60's ``WorkerGroupCallback.
+    after_worker_group_poll_status``, the hook its NCCL hang detector uses);
+    a ``ray.train.WorkerGroupError`` raised there fails the attempt, and Ray
+    Train retries it against ``FailureConfig(max_failures)``. ``preempting``:
+    Ray Train knows of a preemption of this group; ``failing``: some worker
+    already failed (Ray Train handles that itself). Appended to the group's
+    callbacks (``WorkerGroup._callbacks``), so it lives and dies with this
+    attempt's group. False for a group that is not a Ray Train v2 one."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    if not isinstance(worker_group, WorkerGroup):
+        return False
+
+    class _PollHook(WorkerGroupCallback):
+        def after_worker_group_poll_status(self, worker_group_status) -> None:
+            on_poll(preempting=worker_group_status.get_preemption_info() is not None,
+                    failing=bool(worker_group_status.errors))
+
+    worker_group._callbacks.append(_PollHook())
+    return True
+
+
+def preemption_deadline_s() -> Optional[float]:
+    """Seconds until the deadline of the preemption Ray Train told this worker
+    of (``PreemptionInfo.deadline_ms``), None without one (or no notice)."""
+    ctx = _train_context()
+    try:
+        info = ctx.preemption_context.preemption_info if ctx is not None else None
+    except AttributeError:
+        return None
+    if info is None or not info.deadline_ms:
+        return None
+    return info.deadline_ms / 1000.0 - time.time()
+
+
+def drain_node(node_id: str, deadline_s: float, reason: str) -> tuple[bool, str]:
+    """Ask Ray Core to drain node `node_id` (hex) for a preemption with a deadline
+    `deadline_s` from now: what ``ray start`` does itself on SIGTERM
+    (``Node._drain_node_before_shutdown``) and KubeRay's autoscaler before it
+    removes a pod; the simulated cluster uses it to stand in for them. Ray
+    Train's PreemptionWatcher then tells every worker
+    (``ray.train.get_preemption_info``), waits for the deadline, and charges the
+    restart to ``FailureConfig(max_preemption_failures)``. Needs a connected Ray
+    process. Returns (accepted, Ray's message or the error)."""
+    from ray.core.generated import autoscaler_pb2
+
+    try:
+        accepted, message = ray._private.worker.global_worker.gcs_client.drain_node(
+            node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            reason,
+            int((time.time() + deadline_s) * 1000),
+        )
+        return bool(accepted), str(message or "")
+    except Exception as e:  # not connected, or GCS unreachable: the caller decides
+        return False, f"{type(e).__name__}: {e}"
+
+
+def in_train_worker() -> bool:
+    """True inside a Ray Train 2.60 worker (its train context exists)."""
+    return _train_context() is not None
+
+
+def raylet_pid(node: Any) -> int:
+    """The raylet's pid of a ``ray.cluster_utils.Cluster`` node (its worker
+    processes are the raylet's children); ``Node.all_processes`` is private."""
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def controller_state_log(path: str) -> Any:
+    """For tests and benchmarks: a Ray Train controller callback (pass it in
+    ``RunConfig(callbacks=[...])``) that appends every controller state change
+    of state type to `path`, one JSON line each: time, previous and new state (e.g.
+    ``RunningState`` -> ``PreemptingState`` -> ``RestartingState``), and the
+    error that made a Restarting/Errored state (type and message). The states
+    and ``ControllerCallback`` are Ray Train 2.60 internals."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    class ControllerStateLog(ControllerCallback):
+        def __init__(self, path: str):
+            self.path = path
+
+        def after_controller_state_update(self, previous_state, current_state) -> None:
+            import json
+
+            if type(previous_state) is type(current_state):  # a poll, or a decision to wait
+                return
+            error = getattr(current_state, "training_failed_error", None)
+            record = {"t": time.time(), "from": type(previous_state).__name__, "to": type(current_state).__name__,
+                      "error_type": None if error is None else type(error).__name__,
+                      "error": None if error is None else str(error)[:4000]}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return ControllerStateLog(path)

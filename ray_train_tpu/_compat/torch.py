@@ -78,3 +78,39 @@ def __getattr__(name: str):
     if name == "FixedOrderDDP":
         return _fixed_order_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def collective_sequence_numbers() -> dict:
+    """``{group name: (global ranks, collectives issued)}`` for every process group
+    of this process, or ``{}`` before ``init_process_group``.
+
+    The count is c10d's own per-group sequence number
+    (``ProcessGroup._get_sequence_number_for_group``), which gloo and NCCL advance
+    when a rank *issues* a collective, DDP's C++ all-reduces included; a rank
+    that never joins a collective the others wait in stays one behind. Safe to
+    call from another thread while a collective blocks the training thread.
+    A backend without sequence numbers (torch_tpu's ``tpu_dist`` is untested)
+    reports None for its groups. ``_world.pg_map``/``pg_names`` are c10d's
+    registry of groups (private)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    from torch.distributed import distributed_c10d as c10d
+
+    out = {}
+    for pg in list(c10d._world.pg_map):  # a copy: the training thread may add groups meanwhile
+        try:
+            ranks = tuple(sorted(c10d._world.pg_group_ranks[pg]))
+            seq = int(pg._get_sequence_number_for_group())
+        except (KeyError, RuntimeError, AttributeError, TypeError):  # destroyed meanwhile, or no counter
+            continue
+        out[c10d._world.pg_names.get(pg, str(id(pg)))] = (ranks, seq)
+    return out
+
+
+def batches_yielded(loader_iterator) -> int:
+    """Batches a DataLoader iterator has handed out in this epoch
+    (``_BaseDataLoaderIter._num_yielded``; torchdata's StatefulDataLoader
+    restores it when it resumes an iterator)."""
+    return int(getattr(loader_iterator, "_num_yielded", 0))

@@ -1,17 +1,47 @@
-"""A termination notice on any host -> a checkpoint of every rank at the next step boundary.
+"""Preemption on Ray Train's own machinery: a notice -> a just-in-time checkpoint
+of every rank -> a restart charged to ``FailureConfig(max_preemption_failures)``.
 
-Spot and preemptible TPU VMs, and GKE node drains, send SIGTERM and give a grace
-period before the host goes away (30 s on GCE spot/preemptible VMs; on GKE the
-pod's ``terminationGracePeriodSeconds``, capped for spot nodes by the node's
-graceful-shutdown period, 30 s by default). By default a Ray worker exits at once
-on SIGTERM, and the run resumes from its last periodic checkpoint, losing every
-step since.
+What Ray 2.60 does (and this module builds on):
 
-With a `PreemptionGuard` the worker instead remembers the notice, and the next
-`PreemptionGuard.requested` (a collective: call it on every rank at every step
-boundary) is True on *every* rank, so that all of them save the step just taken
-and stop; Ray Train restarts the worker group (``FailureConfig(max_failures>=1)``)
-and ``checkpoint.restore`` resumes from that step::
+- Ray Core *drains* a node that is about to go away, with a deadline: ``ray
+  start`` does it itself on SIGTERM (for ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``,
+  30 s), KubeRay's autoscaler before it deletes a pod, ``ray drain-node`` by hand.
+- Ray Train's PreemptionWatcher sees the drain (every
+  ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``, 5 s) and tells every worker of the
+  job (``ray.train.get_preemption_info()``; on TPU the whole slice at once).
+- The controller waits until every worker exited or the deadline (plus
+  ``FailureConfig(preemption_grace_s)``) passed, then restarts the run from its
+  latest checkpoint, charged to ``max_preemption_failures``, not ``max_failures``.
+  With an elastic ``num_slices=(min, max)`` the restart runs on the slices left.
+
+What `PreemptionGuard` adds, and only that:
+
+1. **A SIGTERM at the worker is a notice, not a death.** A spot VM's shutdown
+   signals every process, workers included, while ``ray start`` drains the node;
+   Ray's own handler makes the worker exit at once. With a guard armed the
+   worker lives on, and its SIGTERM counts at the next `requested` (before Ray's
+   watcher has polled the drain).
+2. **A cheap per-step check.** `requested` is one 4-byte all-reduce on the
+   job's process group: True on every rank as soon as any rank has a notice,
+   its own SIGTERM or Ray's. ``ray.train.get_preemption_info()`` is a barrier
+   through the controller's actor at every call.
+3. **An end Ray counts as a preemption.** After the checkpoint the attempt must
+   not end in an exception (Ray charges a worker error to ``max_failures``) nor
+   return (the run would be finished). `stop` waits until Ray Train knows of the
+   preemption and has collected the checkpoint's report, then parks the worker
+   until Ray tears the group down at the deadline.
+
+The guard never drains a node itself: Ray also SIGTERMs workers when it tears a
+group down (removing its placement group), and a drain asked for then would
+take a healthy host out of the job. A SIGTERM without Ray's notice (no drain
+within a few seconds) ends the attempt with `Preempted` after the checkpoint.
+
+Removed because Ray does it: the guard's own timer that exited a worker when
+its grace period ran out (Ray tears the group down at the drain's deadline),
+and ending every preemption by raising `Preempted`, which Ray charged to
+``max_failures``.
+
+Usage, on every rank::
 
     with checkpoint.PreemptionGuard(grace_period_s=30) as guard:
         for step in range(start, steps):
@@ -20,16 +50,11 @@ and ``checkpoint.restore`` resumes from that step::
             if preempted or step % every == 0:
                 checkpoint.report(metrics, model=model, optimizer=opt, step=step)
             if preempted:
-                guard.stop()  # raises Preempted: the retry resumes from `step`
+                guard.stop()  # parks until Ray restarts the run from that checkpoint
 
-What if the save cannot finish in time: a checkpoint is complete or absent (its
-manifest is written last), so a host that is killed mid-save leaves the previous
-checkpoint as the resume point, and a notice that arrives during a save never
-interrupts it. If the worker is still alive when ``grace_period_s`` has passed
-since the notice, it exits itself (as the host's shutdown would kill it).
-
-Ray Train 2.60's own signal, a node that Ray Core is draining
-(``ray.train.get_preemption_info``), counts as a notice too.
+A checkpoint is complete or absent (its manifest is written last), so a host
+that is killed mid-save leaves the previous checkpoint as the resume point, and
+a notice that arrives during a save never interrupts it.
 
 The SIGTERM handler is installed on every worker's main thread by
 `TPUTorchConfig`'s backend (the training function runs in another thread, where
@@ -46,24 +71,23 @@ import signal
 import socket
 import threading
 import time
-from typing import Optional
+from typing import NoReturn, Optional
 
 from ray_train_tpu import _validate as V
 
 logger = logging.getLogger(__name__)
 
-# What a worker exits with when the grace period ran out: 128 + SIGTERM, as a
-# process killed by SIGTERM reports.
-_GRACE_EXPIRED_EXIT_CODE = 128 + signal.SIGTERM
-
-
-# How long `PreemptionGuard.stop` waits for Ray Train to collect the reports: a few of
-# its polls (one every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default).
+# How long `stop` waits for Ray Train to collect the reports: a few of its polls
+# (one every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default).
 _COLLECT_TIMEOUT_S = 20.0
+# How long `stop` waits for Ray Train's own notice after a SIGTERM: its
+# PreemptionWatcher polls the drain state every 5 s by default.
+_RAY_NOTICE_TIMEOUT_S = 15.0
 
 
 class Preempted(RuntimeError):
-    """Raised on every rank by `PreemptionGuard.stop` once the preemption checkpoint is reported."""
+    """Raised by `PreemptionGuard.stop` only when Ray Train never learned of the
+    notice; Ray then counts the restart against ``FailureConfig(max_failures)``."""
 
 
 class _State:
@@ -75,7 +99,6 @@ class _State:
         self.previous: object = signal.SIG_DFL
         self.grace_period_s: Optional[float] = None  # armed when set
         self.noticed_at: Optional[float] = None
-        self.timer: Optional[threading.Timer] = None
         self.wakeup: Optional[tuple] = None  # keeps the socket pair alive
         self.held_until = float("-inf")  # a taken notice's deadline, after disarming
 
@@ -138,9 +161,6 @@ def _notice() -> bool:
         if grace is None or _state.noticed_at is not None:
             return grace is not None
         _state.noticed_at = time.monotonic()
-        _state.timer = threading.Timer(grace, _grace_expired)
-        _state.timer.daemon = True
-        _state.timer.start()
     logger.warning(
         "ray_train_tpu: termination notice (SIGTERM) on pid %d; every rank checkpoints at the next "
         "step boundary (grace period %.0f s)", os.getpid(), grace,
@@ -166,15 +186,6 @@ def _pass_on(signum, frame) -> None:
     # SIG_IGN: ignore, as before.
 
 
-def _grace_expired() -> None:
-    logger.error(
-        "ray_train_tpu: the grace period after the termination notice is over; exiting. The last "
-        "complete checkpoint stays the resume point."
-    )
-    logging.shutdown()
-    os._exit(_GRACE_EXPIRED_EXIT_CODE)
-
-
 def _reset() -> None:
     """Disarm. After a notice its deadline stays: the host is going away."""
     with _state.lock:
@@ -185,11 +196,12 @@ def _reset() -> None:
 
 
 class PreemptionGuard:
-    """Turn a termination notice on any host into a checkpoint of every rank.
+    """Turn a termination notice on any host into a checkpoint of every rank and
+    a restart that Ray Train charges to ``FailureConfig(max_preemption_failures)``.
 
     Args:
-        grace_period_s: seconds between the notice and the host's end that this
-            process may use (30 on GCE spot VMs). After it the worker exits itself.
+        grace_period_s: seconds between a SIGTERM and the host's end (30 on GCE
+            spot VMs); within it `stop` waits for Ray's notice and its reports.
         device: device of the flag tensor in `requested`'s all-reduce; default
             ``ray_train_tpu.get_device()``.
 
@@ -224,48 +236,57 @@ class PreemptionGuard:
         _reset()
 
     def noticed(self) -> bool:
-        """True if *this* process received a notice (no communication)."""
+        """True if *this* process received a SIGTERM notice (no communication)."""
         return _state.noticed_at is not None
 
     def requested(self) -> bool:
-        """True on every rank if any rank received a notice. A collective: call it on
-        every rank at the same step boundaries."""
+        """True on every rank if any rank has a notice (its SIGTERM, or Ray's). A
+        collective: call it on every rank at the same step boundaries."""
         import torch
         import torch.distributed as dist
 
+        from ray_train_tpu._compat import ray_train as compat_ray
+
         if not self._entered:
             raise RuntimeError("PreemptionGuard.requested() outside `with PreemptionGuard(...)`")
-        local = self.noticed() or _ray_preemption_pending()
+        local = self.noticed() or compat_ray.preemption_pending()
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self._flag_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def stop(self) -> None:
-        """End this attempt on every rank after the preemption checkpoint was reported.
+    def stop(self) -> NoReturn:
+        """End this attempt after the preemption checkpoint was reported (every rank).
 
-        First waits (within the grace period, at most `_COLLECT_TIMEOUT_S`) until Ray
-        Train's controller has collected this worker's reports: it stops collecting
-        at the first error, and a checkpoint it never collected is not resumed from."""
+        Waits until Ray Train knows of the preemption (its PreemptionWatcher tells
+        every worker) and has collected this worker's reports, then parks until
+        Ray tears the worker group down at the deadline; the restart resumes from
+        the checkpoint and counts against ``max_preemption_failures``. Raises
+        `Preempted` if Ray never learned of the notice."""
         from ray_train_tpu._compat import ray_train as compat_ray
 
-        left = None
-        if _state.noticed_at is not None:
-            left = self.grace_period_s - (time.monotonic() - _state.noticed_at)
-        collected = compat_ray.wait_for_reports_collected(
-            max(0.0, min(_COLLECT_TIMEOUT_S, left if left is not None else _COLLECT_TIMEOUT_S)))
+        known = compat_ray.in_train_worker() and _wait_for(
+            compat_ray.preemption_pending, self._time_left(_RAY_NOTICE_TIMEOUT_S))
+        deadline = compat_ray.preemption_deadline_s() if known else None
+        budget = deadline if deadline is not None else self._time_left(_COLLECT_TIMEOUT_S)
+        collected = compat_ray.wait_for_reports_collected(max(0.0, min(_COLLECT_TIMEOUT_S, budget)))
         if not collected:
             logger.warning("ray_train_tpu: Ray Train had not collected the preemption checkpoint's report "
                            "when this worker stopped; the retry may resume from an earlier checkpoint")
-        if left is not None:
-            left = self.grace_period_s - (time.monotonic() - _state.noticed_at)
-        raise Preempted(
-            "stopped for a termination notice after reporting a checkpoint"
-            + (f" ({left:.1f} s of the grace period left on this host)" if left is not None else
-               " (the notice came from another host)")
-            + "; Ray Train's FailureConfig(max_failures>=1) restarts the workers, and "
-              "checkpoint.restore resumes from that checkpoint"
-        )
+        if not known:
+            raise Preempted(
+                "stopped for a termination notice after reporting a checkpoint, but Ray Train never learned of "
+                "the preemption (no drain of the node: `ray start` drains it on SIGTERM, KubeRay before it "
+                "deletes a pod); Ray Train counts this restart against FailureConfig(max_failures)")
+        logger.info("ray_train_tpu: preemption checkpoint reported; waiting for Ray Train to restart the run "
+                    "at the preemption deadline%s", "" if deadline is None else f" (in {deadline:.0f} s)")
+        while True:  # Ray Train kills this worker at the deadline (or when every worker exited)
+            time.sleep(1.0)
+
+    def _time_left(self, cap: float) -> float:
+        if _state.noticed_at is None:
+            return cap
+        return max(0.0, min(cap, self.grace_period_s - (time.monotonic() - _state.noticed_at)))
 
     def _flag_device(self):
         if self._device is None:
@@ -275,9 +296,10 @@ class PreemptionGuard:
         return self._device
 
 
-def _ray_preemption_pending() -> bool:
-    """Ray Train's own notice for this worker (a node Ray Core is draining, e.g. by
-    KubeRay), read locally so that `requested` needs no second barrier."""
-    from ray_train_tpu._compat import ray_train as compat_ray
-
-    return compat_ray.preemption_pending()
+def _wait_for(condition, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True

@@ -45,8 +45,11 @@ def load(directory, *, model, optimizer=None, lr_scheduler=None, dataloader=None
     """Verify a checkpoint, then load it into the given objects (call on every rank).
 
     Model and optimizer may be wrapped and sharded otherwise than when saved
-    (DCP reshards). Data-loader position and RNG state are per rank: with another
-    world size, ``dataloader`` raises and the RNG is left as it is (a warning).
+    (DCP reshards), also on another number of ranks or slices. Data-loader
+    position and RNG state are per rank: with another world size the
+    ``dataloader`` (a `ray_train_tpu.data.stateful_dataloader`) resumes the
+    epoch where the whole job was, re-sharded over this world, and the RNG is
+    left as it is (a warning).
     Raises what `verify` raises, and `CheckpointError` when the model's
     fingerprint, the optimizer or a requested component does not match.
 
@@ -89,11 +92,6 @@ def _check_compatible(directory, manifest, model_sd, optimizer, lr_scheduler, da
     if now is not None and saved != now:
         raise CheckpointError(f"{directory} holds the state of optimizer {saved}, not of {now}; use the same optimizer "
                               "class and parameter groups, or pass optimizer=None and start it afresh")
-    if dataloader is not None and manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"{directory} holds the data-loader positions of world_size={manifest['world_size']}, this run has "
-            f"world_size={world_size}; a rank's position means nothing in another sharding: pass dataloader=None "
-            "and restart the epoch with loader.set_epoch(...)")
 
 
 def _model_diff(saved: list, ours: list) -> str:
@@ -113,6 +111,10 @@ def _load_rank_file(directory: Path, manifest: dict, rank: int, world_size: int,
         if rng:  # the per-rank streams of another world size map to no rank here
             logger.warning("ray_train_tpu.checkpoint: RNG state not restored: %s was saved by world_size=%d, this "
                            "run has %d", directory, manifest["world_size"], world_size)
+        if dataloader is not None:
+            # Ranks read in lockstep, so rank 0's state says where the whole job was in
+            # the epoch; the loader re-shards the rest over this world.
+            dataloader.load_state_dict(torch.load(directory / _RANK_FILE.format(0), weights_only=True)["dataloader"])
         return
     payload = torch.load(directory / _RANK_FILE.format(rank), weights_only=True)
     if dataloader is not None:

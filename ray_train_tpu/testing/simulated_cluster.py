@@ -82,10 +82,84 @@ class SimulatedTPUCluster:
         return dict(self._envs.get(tuple(key)) or _host_env(self.topology, *key))
 
     def remove_host(self, slice_id: int, worker_id: int) -> None:
-        """Take a host away, as a preempted or failed TPU VM (for fault tests)."""
+        """Take a host away, as a preempted or failed TPU VM (for fault tests).
+        Also after its raylet exited by itself (a drained node does once idle)."""
         node = self._nodes.pop((slice_id, worker_id))
         self.hosts.pop((slice_id, worker_id))
         self.cluster.remove_node(node, allow_graceful=False)
+
+    # Elastic and preemption fault injection (docs/elastic.md) ------------------
+
+    def slice_hosts(self, slice_id: int) -> list[HostKey]:
+        """The (slice id, worker id) of the slice's hosts that are up."""
+        return sorted(k for k in self._nodes if k[0] == slice_id)
+
+    def remove_slice(self, slice_id: int) -> None:
+        """Kill every raylet of a slice at once, as a reclaimed TPU slice."""
+        for key in self.slice_hosts(slice_id):
+            self.remove_host(*key)
+
+    def add_slice(self, slice_id: int) -> None:
+        """(Re)start every host of a slice, e.g. after `remove_slice`."""
+        for worker_id in range(self.topology.num_hosts):
+            if (slice_id, worker_id) not in self._nodes:
+                self.add_host(slice_id, worker_id)
+
+    def node_id(self, slice_id: int, worker_id: int) -> str:
+        """Ray's node id (hex) of a host."""
+        return self._nodes[(slice_id, worker_id)].node_id
+
+    def drain_host(self, slice_id: int, worker_id: int, deadline_s: float, reason: str = "simulated preemption") -> None:
+        """Ray's own preemption notice for a host: a drain (reason PREEMPTION) with a
+        deadline, as ``ray start`` does on SIGTERM or KubeRay before deleting a pod.
+        Nothing is killed: call `remove_host` (or `remove_slice`) at the deadline."""
+        from ray_train_tpu._compat import ray_train as compat_ray
+
+        accepted, message = compat_ray.drain_node(self.node_id(slice_id, worker_id), deadline_s, reason)
+        if not accepted:
+            raise RuntimeError(f"Ray refused to drain host {(slice_id, worker_id)}: {message}")
+
+    def preempt_host(self, slice_id: int, worker_id: int, deadline_s: float) -> list[int]:
+        """A spot VM's shutdown notice: ``ray start`` drains the node (`drain_host`) and
+        every process gets SIGTERM (`signal_workers`). The host itself stays up:
+        `remove_host` it by the deadline, as the VM goes away."""
+        import signal
+
+        self.drain_host(slice_id, worker_id, deadline_s, reason="simulated spot VM shutdown (SIGTERM)")
+        return self.signal_workers(slice_id, worker_id, signal.SIGTERM)
+
+    def signal_workers(self, slice_id: int, worker_id: int, signum: int) -> list[int]:
+        """Send `signum` to every Ray worker process on a host (not its raylet or
+        agents) and return their pids: SIGTERM as a spot VM's shutdown sends it,
+        SIGSTOP for a host that stalls mid-step (`stall_host`)."""
+        import os
+
+        import psutil
+
+        from ray_train_tpu._compat import ray_train as compat_ray
+
+        raylet = compat_ray.raylet_pid(self._nodes[(slice_id, worker_id)])
+        pids = []
+        for child in psutil.Process(raylet).children(recursive=True):
+            try:
+                if _is_ray_worker(child.cmdline()):
+                    os.kill(child.pid, signum)
+                    pids.append(child.pid)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                continue
+        return pids
+
+    def stall_host(self, slice_id: int, worker_id: int) -> list[int]:
+        """Freeze every worker process of a host (SIGSTOP), wherever it is in its
+        step: the others wait in their next collective. `resume_host` undoes it."""
+        import signal
+
+        return self.signal_workers(slice_id, worker_id, signal.SIGSTOP)
+
+    def resume_host(self, slice_id: int, worker_id: int) -> list[int]:
+        import signal
+
+        return self.signal_workers(slice_id, worker_id, signal.SIGCONT)
 
     def add_host(
         self,
@@ -124,6 +198,15 @@ class SimulatedTPUCluster:
 
     _cpus: int = 0
     _envs: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
+def _is_ray_worker(cmdline: list) -> bool:
+    """A Ray worker process: ``default_worker.py`` until it names itself with
+    setproctitle (``ray::RayTrainWorker``, ``ray::IDLE``); not the raylet's agents."""
+    title = cmdline[0].split()[0] if cmdline and cmdline[0] else ""
+    if title.startswith("ray::"):
+        return not title.endswith("Agent")
+    return any("default_worker.py" in part for part in cmdline)
 
 
 def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
@@ -295,6 +378,7 @@ def simulated_tpu_cluster(
     host_coords: Optional[Mapping[HostKey, Sequence[int]]] = None,
     cpus_per_host: Optional[int] = None,
     connect: bool = True,
+    system_config: Optional[Mapping[str, object]] = None,
 ) -> Iterator[SimulatedTPUCluster]:
     """Start a simulated TPU cluster, connect to it, and tear it all down on exit.
 
@@ -319,6 +403,13 @@ def simulated_tpu_cluster(
         cpus_per_host: logical CPUs per host; default chips + 1, because each of
             Ray Train's TPU bundles also asks for one CPU.
         connect: ``ray.init`` the driver to the cluster (default True).
+        system_config: Ray's ``_system_config`` for the head (GCS), e.g.
+            ``{"health_check_period_ms": 1000, "health_check_failure_threshold": 3}``
+            for a cluster that notices a killed host in ~3 s instead of ~15 s.
+
+    `add_host`, `add_slice` and the other fault injections start raylets: call
+    them from the main thread (Ray's node sets a SIGTERM handler); run ``fit()``
+    in another thread meanwhile.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -365,6 +456,7 @@ def simulated_tpu_cluster(
                 dashboard_port=0,
                 object_store_memory=_OBJECT_STORE_BYTES,
                 env_vars=dict(driver_env),
+                **({"_system_config": dict(system_config)} if system_config else {}),
             ),
         )
         sim = SimulatedTPUCluster(

@@ -14,7 +14,8 @@ at step FAIL_AFTER in one of three ways:
   as a preempted TPU VM.
 
 Ray Train restarts the worker group (FailureConfig(max_failures=1)) and the
-run resumes from the last checkpoint Ray registered. Then the same workers train
+run resumes from the last checkpoint Ray registered. (A termination notice, on
+Ray's own preemption path, is tested in test_elastic.py.) Then the same workers train
 again from scratch without any checkpointing: the uninterrupted reference. Final
 parameters, optimizer state and the losses of every step after the resume must
 be bitwise equal; the failure must end the attempt long before the process
@@ -44,10 +45,6 @@ pytestmark = pytest.mark.distributed
 
 TOPOLOGY, ACCEL, WORLD, SLICES = "2x2x2", "TPU-V4", 8, 2
 STEPS, FAIL_AFTER = 6, 3  # 2 batches per rank and epoch
-# Preemption runs checkpoint every PREEMPT_EVERY steps and when a notice arrives.
-PREEMPTIONS = ("sigterm", "sigterm_in_save")
-PREEMPT_EVERY, NOTICE_RANK = 3, 5
-NOTICE_AT = {"sigterm": 4, "sigterm_in_save": 3}
 # The process group's timeout (TorchConfig.timeout_s): survivors of a failure
 # must be stopped by Ray long before a collective would time out.
 PG_TIMEOUT_S = 1800
@@ -91,19 +88,10 @@ def _build(strategy, rank):
 def _run(config, rank, checkpointing):
     """Train to STEPS; with checkpointing, resume from Ray's checkpoint and report
     one every step. Returns the full final state and {step: loss} of this attempt."""
-    import contextlib
-
-    from ray_train_tpu import checkpoint
-
-    out, fail = Path(config["out"]), config.get("fail")
-    guard = None
-    with contextlib.ExitStack() as stack:
-        if checkpointing and fail in PREEMPTIONS:
-            guard = stack.enter_context(checkpoint.PreemptionGuard(grace_period_s=120))
-        return _train_steps(config, rank, checkpointing, out, fail, guard)
+    return _train_steps(config, rank, checkpointing, Path(config["out"]), config.get("fail"))
 
 
-def _train_steps(config, rank, checkpointing, out, fail, guard):
+def _train_steps(config, rank, checkpointing, out, fail):
     from torch import nn
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -134,15 +122,7 @@ def _train_steps(config, rank, checkpointing, out, fail, guard):
             sched.step()
             step += 1
             losses[step] = loss.item()
-            if guard is not None:  # checkpoints every PREEMPT_EVERY steps, and on a notice
-                _send_notice(fail, out, rank, step)
-                preempted = guard.requested()
-                if preempted or step % PREEMPT_EVERY == 0:
-                    checkpoint.report({"loss": loss.item(), "preempted": preempted}, model=model, optimizer=opt,
-                                      lr_scheduler=sched, dataloader=loader, step=step, extra={"epoch": epoch})
-                if preempted:
-                    guard.stop()
-            elif checkpointing:
+            if checkpointing:
                 failing = step == FAIL_AFTER and fail and not (out / "failed").exists()
                 if failing and fail == "save" and rank == 1:
                     _die_in_next_dcp_write(out / "failed")
@@ -158,32 +138,6 @@ def _train_steps(config, rank, checkpointing, out, fail, guard):
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {"model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, opt, options=full)}, losses
-
-
-def _send_notice(fail, out: Path, rank: int, step: int) -> None:
-    """Once: SIGTERM to rank NOTICE_RANK (on the slice's second host) at step
-    NOTICE_AT, between steps ("sigterm") or inside DCP's write of that step's
-    periodic checkpoint ("sigterm_in_save")."""
-    import signal
-
-    marker = out / "failed"
-    if rank != NOTICE_RANK or step != NOTICE_AT[fail] or marker.exists():
-        return
-    marker.write_text(str(time.time()))
-    if fail == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    write_data = FileSystemWriter.write_data
-
-    def notice_then_write(self, *args, **kwargs):
-        FileSystemWriter.write_data = write_data
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.5)  # the notice lands while this rank's files are being written
-        return write_data(self, *args, **kwargs)
-
-    FileSystemWriter.write_data = notice_then_write
 
 
 def _live_placement_groups() -> list:
@@ -302,28 +256,6 @@ def test_resume_after_worker_failure_is_bitwise_exact(sim, tmp_path, strategy, f
     _assert_exact_resume(run)
     if fail == "save":  # the step being written never became a checkpoint
         assert run["attempts"][1][0]["resumed_from"] < FAIL_AFTER
-
-
-@pytest.mark.parametrize("fail", PREEMPTIONS)
-def test_a_termination_notice_checkpoints_every_rank_at_the_next_step(sim, tmp_path, fail):
-    """SIGTERM to one worker of the second host ("sigterm": between steps; "sigterm_in_save":
-    while its files of a periodic checkpoint are being written). Every rank saves at the
-    next step boundary and stops; the retry resumes from that step (a periodic checkpoint
-    alone would lose up to PREEMPT_EVERY - 1 steps) and ends bitwise equal to an
-    uninterrupted run; no checkpoint is damaged."""
-    from ray_train_tpu import checkpoint
-
-    run = _fit(tmp_path, fail, "fsdp2", fail=fail)
-    print(f"{fail}: {run['seconds']:.0f} s")
-    notice = NOTICE_AT[fail]
-    # At most one step lost: the notice's own step, or the next if the watcher saw it
-    # after that step's check.
-    _assert_exact_resume(run, resumed_range=(notice, notice + 1))
-    resumed_from = run["attempts"][1][0]["resumed_from"]
-    assert resumed_from % PREEMPT_EVERY != 0, "resumed from a periodic checkpoint, not a preemption one"
-    saved = sorted(p for p in (tmp_path / "storage" / fail).iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
-    steps = [checkpoint.verify(p)["step"] for p in saved]  # every one complete and intact
-    assert resumed_from in steps and PREEMPT_EVERY in steps, steps
 
 
 def test_lost_host_restarts_the_run_on_a_whole_free_slice(sim, tmp_path):

@@ -197,19 +197,60 @@ def _reshard_worker(rank, world, tmp):
     full = _full_state(sharded, opt2)  # a collective: every rank
     if rank == 0:
         torch.save(full, tmp / "fsdp_full.pt")
+    _reshard_across_slices(rank, tmp)
 
 
-def test_checkpoints_reshard_ddp_to_fsdp2_and_two_ranks_to_one(tmp_path, caplog):
+def _reshard_across_slices(rank, tmp):
+    """HSDP over 2 "slices" of one rank -> FSDP2 on one slice of 2 ranks (and, in the
+    test, one process); TP within a slice of 2 ranks -> one process (in the test)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ray_train_tpu.strategies import FSDP2Strategy, TensorParallelStrategy
+
+    cpu = torch.device("cpu")
+
+    def built(strategy, num_slices, seed):
+        strategy.setup(cpu, world_size=2, num_slices=num_slices)
+        torch.manual_seed(seed)
+        model = strategy.parallelize(_net(), cpu)
+        return model, *_parts(model)
+
+    hsdp = FSDP2Strategy()
+    model, opt, sched, loader = built(hsdp, num_slices=2, seed=1)
+    assert hsdp.device_mesh.mesh_dim_names[:2] == ("dp_replicate", "dp_shard") and hsdp.device_mesh.shape[:2] == (2, 1)
+    _train(model, opt, sched, _batches(loader), 3)
+    checkpoint.save(tmp / "hsdp", model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader, step=3)
+    expected = _full_state(model, opt)
+    one_slice, opt2, sched2, loader2 = built(FSDP2Strategy(), num_slices=1, seed=2)
+    checkpoint.load(tmp / "hsdp", model=one_slice, optimizer=opt2, lr_scheduler=sched2, dataloader=loader2)
+    _assert_equal(_full_state(one_slice, opt2), expected, "hsdp 2 slices -> fsdp2 1 slice")
+    tp = TensorParallelStrategy(plan={"0": ColwiseParallel(), "3": RowwiseParallel()})
+    model, opt, sched, _ = built(tp, num_slices=1, seed=3)
+    _train(model, opt, sched, _batches(_parts(_net(), rank=0, world=1)[2]), 2)  # every TP rank reads the same batch
+    checkpoint.save(tmp / "tp", model=model, optimizer=opt, step=2)
+    full_tp = _full_state(model, opt)
+    if rank == 0:
+        torch.save(expected, tmp / "hsdp_full.pt")
+        torch.save(full_tp, tmp / "tp_full.pt")
+
+
+def test_checkpoints_reshard_across_strategies_ranks_and_slices(tmp_path, caplog):
+    """DDP -> FSDP2; HSDP on 2 slices -> FSDP2 on 1 slice; every one of them, and TP,
+    into one process; the data loader resumes the epoch re-sharded."""
     _on_two_ranks(_reshard_worker, tmp_path)
-    for name in ("ddp", "fsdp"):
+    for name in ("ddp", "fsdp", "hsdp", "tp"):
         model = _net()
         opt, sched, loader = _parts(model, rank=0, world=1)
         with caplog.at_level(logging.WARNING, logger="ray_train_tpu.checkpoint"):
             info = checkpoint.load(tmp_path / name, model=model, optimizer=opt)
         assert info.world_size == 2 and "RNG state not restored" in caplog.text
         _assert_equal(_full_state(model, opt), torch.load(tmp_path / f"{name}_full.pt"), name)
-    with pytest.raises(CheckpointError, match=r"world_size=2, this run has world_size=1.*pass dataloader=None"):
-        checkpoint.load(tmp_path / "ddp", model=model, dataloader=loader)
+    # 2 ranks read 3 batches of 4: one process resumes the epoch at sample 24 of its order.
+    checkpoint.load(tmp_path / "ddp", model=model, dataloader=loader)
+    loader.set_epoch(loader.epoch)
+    order = torch.utils.data.DistributedSampler(_data(), num_replicas=1, rank=0, shuffle=True, seed=11)
+    order.set_epoch(0)
+    assert torch.equal(torch.cat([x for x, _ in loader]), _data().tensors[0][list(order)[24:]])
     with pytest.raises(CheckpointError, match=r"has no lr_scheduler state .*pass lr_scheduler=None"):
         checkpoint.load(tmp_path / "fsdp", model=model, lr_scheduler=sched)
 

@@ -333,3 +333,44 @@ def test_ray_subslice_discovery_seam_exists():
     with compat_ray.simulated_subslice_discovery(lambda: [("h", 0, [0, 0])]):
         assert ray_tpu._discover_tpu_node_coords.__name__ == "discover"
     assert ray_tpu._discover_tpu_node_coords.__name__ == "_discover_tpu_node_coords"
+
+
+def test_elastic_preemption_and_hang_seams_exist():
+    """The Ray Train 2.60 internals behind add_worker_group_poll_hook, preemption_pending,
+    preemption_deadline_s, drain_node, raylet_pid and controller_state_log; the torch ones behind
+    collective_sequence_numbers and batches_yielded."""
+    from ray._private import ray_constants
+    from ray._raylet import InnerGcsClient  # what GcsClient delegates drain_node to
+    from ray.core.generated import autoscaler_pb2
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+    from ray.train.v2._internal.execution.preemption import PreemptionContext
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    assert "callback.after_worker_group_poll_status(worker_group_poll_status)" in inspect.getsource(WorkerGroup.poll_status)
+    assert "self._callbacks = " in inspect.getsource(WorkerGroup.__init__)
+    assert callable(WorkerGroupCallback.after_worker_group_poll_status)
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    assert callable(ControllerCallback.after_controller_state_update)
+    assert "training_failed_error" in inspect.signature(RestartingState.__init__).parameters
+    assert isinstance(compat_ray.controller_state_log("/tmp/x.jsonl"), ControllerCallback)
+    status = WorkerGroupPollStatus(worker_statuses={})
+    assert status.get_preemption_info() is None and status.errors == {}
+    assert PreemptionContext().preemption_info is None
+    assert "deadline_ms" in PreemptionInfo.__dataclass_fields__
+    assert callable(InnerGcsClient.drain_node)
+    assert autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION") > 0
+    assert ray_constants.PROCESS_TYPE_RAYLET == "raylet"
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    assert all(hasattr(c10d._world, name) for name in ("pg_map", "pg_names", "pg_group_ranks"))
+    assert hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")
+    assert compat_torch.collective_sequence_numbers() == {}  # no process group here
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    it = iter(loader)
+    next(it)
+    assert compat_torch.batches_yielded(it) == 1
+    assert compat_ray.drain_node("ab" * 28, 5, "test")[0] is False  # not connected: refused, no exception

@@ -99,3 +99,19 @@ def test_shutdown_does_not_queue_behind_workers_stuck_in_a_timed_out_rendezvous(
     backend.on_shutdown(group, None)
     assert group.called == [(0, "leave_process_group"), (1, "leave_process_group")]
     assert waited == [([0, 1], 30)]
+
+
+def test_elastic_slice_ranges_and_hang_timeout():
+    from ray_train_tpu._backend import _check_num_slices
+
+    cfg = TPUTorchConfig(num_slices=[2, 3], hang_timeout_s=30)
+    assert cfg.num_slices == (2, 3) and cfg.to_dict()["hang_timeout_s"] == 30
+    assert TPUTorchConfig().hang_timeout_s == 600 and TPUTorchConfig(hang_timeout_s=None).hang_timeout_s is None
+    for wanted, live in (((2, 3), 2), ((2, 3), 3), (None, 5), (4, 4)):
+        _check_num_slices(wanted, live)
+    with pytest.raises(ValueError, match=r"num_slices=\(2, 3\)\) but the workers span 1 slice"):
+        _check_num_slices((2, 3), 1)
+    with pytest.raises(ValueError, match=r"hang_timeout_s=0\) must be a finite number of seconds.*or None"):
+        TPUTorchConfig(hang_timeout_s=0)
+    with pytest.raises(ValueError, match=r"num_slices=\(3, 1\)"):
+        TPUTorchConfig(num_slices=(3, 1))

@@ -100,12 +100,134 @@ def test_resume_with_worker_processes():
 
 def test_loading_a_state_of_another_sharding_names_the_field():
     state = _loader().state_dict()
-    with pytest.raises(ValueError, match=r"saved with world_size=2, this loader has world_size=4"):
-        _loader(world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved with seed=5, this loader has seed=6"):
         _loader(seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with batch_size=3, this loader has batch_size=4"):
+        _loader(batch_size=4).load_state_dict(state)  # same world: the same batches
+    with pytest.raises(ValueError, match=r"saved with batch_size=3, this loader has batch_size=2"):
+        _loader(world_size=4, batch_size=2).load_state_dict(state)  # per-rank policy keeps the per-rank batch
+    with pytest.raises(ValueError, match=r"saved with global_batch_size=None, this loader has global_batch_size=6"):
+        _loader(batch_size=None, global_batch_size=6, world_size=3, rank=0).load_state_dict(state)
     with pytest.raises(ValueError, match=r"without 'epoch'"):
         _loader().load_state_dict({"loader": {}})
+
+
+# ------------------------------------------------------------------ world-size changes
+
+
+def _order(epoch, n=N, seed=5):
+    """The epoch's order, from torch's own DistributedSampler (one replica)."""
+    whole = torch.utils.data.DistributedSampler(list(range(n)), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    whole.set_epoch(epoch)
+    return list(whole)
+
+
+def _world(world, n, policy, **kw):
+    size = {"global_batch_size": policy} if policy else {}
+    return [stateful_dataloader(list(range(n)), rank=r, world_size=world, seed=5, **size, **kw) for r in range(world)]
+
+
+def _batches_left(world, n, policy, state, **kw):
+    """Batches rank 0 of `world` would still read in epoch 0 after loading `state`."""
+    loader = _world(world, n, policy, **kw)[0]
+    if state is not None:
+        loader.load_state_dict(state)
+    loader.set_epoch(0)
+    return sum(1 for _ in loader)
+
+
+def _take(loaders, k):
+    """k batches from every rank (lockstep), flattened per rank; then rank 0's state."""
+    seen = []
+    for loader in loaders:
+        loader.set_epoch(loader.epoch)
+        it = iter(loader)
+        seen += [i for _ in range(k) for i in next(it).tolist()]
+    return seen, loaders[0].state_dict()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 30), worlds=st.lists(st.integers(1, 4), min_size=2, max_size=3),
+       ks=st.lists(st.integers(0, 6), min_size=2, max_size=2), b=st.integers(1, 3), drop_last=st.booleans(),
+       global_policy=st.booleans())
+def test_a_world_size_change_mid_epoch_sees_no_sample_twice_and_skips_none(n, worlds, ks, b, drop_last, global_policy):
+    """Epoch 0 read by worlds[0] for ks[0] batches, by worlds[1] for ks[1] more, then by the
+    last world to its end: together the samples are the epoch's order once, skipping only
+    what drop_last drops at the end (padding repeats only there)."""
+    import math
+
+    policy = b * math.lcm(*worlds) if global_policy else None
+    size = {} if policy else {"batch_size": b}
+    seen, state = [], None
+    for i, world in enumerate(worlds):
+        loaders = [l for l in _world(world, n, policy, drop_last=drop_last, **size)]
+        if state is not None:
+            for loader in loaders:
+                loader.load_state_dict(state)
+        if i < len(worlds) - 1:
+            left = _batches_left(world, n, policy, state, drop_last=drop_last, **size)
+            k = min(ks[i], max(0, left - 1))  # stay inside the epoch
+            got, state = _take(loaders, k)
+            seen += got
+            assert state["epoch"] == 0
+        else:
+            for loader in loaders:
+                loader.set_epoch(0)
+                seen += [i for batch in loader for i in batch.tolist()]
+    order, last = _order(0, n), worlds[-1]
+    if drop_last:
+        assert len(seen) == len(set(seen)), "a sample was seen twice"
+        assert sorted(seen) == sorted(order[: len(seen)]), "a sample was skipped before the epoch's end"
+        assert len(seen) >= n - (last - 1) - last * ((b if not policy else policy // last) - 1)
+    else:
+        assert set(seen) == set(order), "a sample was never seen"
+        assert len(seen) - n < max(worlds), "padding repeats more than one world's remainder"
+
+
+def test_after_a_world_size_change_the_position_resumes_exactly_in_the_new_world():
+    """4 ranks read 2 batches each, 3 ranks resume (re-sharded) and read 1; a checkpoint of
+    that resumes in the 3-rank world exactly where it stopped (same world: torchdata's path)."""
+    state = _take(_world(4, N, 12), 2)[1]  # global batch 12: 3 a rank on 4 ranks, 4 on 3
+    three = _world(3, N, 12)
+    for loader in three:
+        loader.load_state_dict(state)
+    expected = [[b.tolist() for b in l] for l in _world_loaded(3, state)]
+    first = [next(iter(l)).tolist() for l in three]
+    states = [l.state_dict() for l in three]
+    assert [s["consumed"] for s in states] == [24 + 12] * 3 and [s["start"] for s in states] == [24] * 3
+    for r, st_ in enumerate(states):
+        again = _world(3, N, 12)[r]
+        again.load_state_dict(st_)
+        again.set_epoch(again.epoch)
+        assert [first[r]] + [b.tolist() for b in again] == expected[r]
+    rank0 = expected[0]
+    assert [i for b in rank0 for i in b] == _order(0)[24:][0::3][: len(rank0) * 4]
+
+
+def _world_loaded(world, state):
+    loaders = _world(world, N, 12)
+    for loader in loaders:
+        loader.load_state_dict(state)
+        loader.set_epoch(loader.epoch)
+    return loaders
+
+
+def test_global_batch_policy_keeps_the_samples_per_step():
+    assert [len(next(iter(l))) for l in _world(4, N, 12)] == [3] * 4
+    assert [len(next(iter(l))) for l in _world(3, N, 12)] == [4] * 3
+    assert _world(2, N, 12)[0].global_batch_size == 12
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(batch_size=None), "give exactly one"),
+    (dict(global_batch_size=8), "give exactly one"),
+    (dict(batch_size=None, global_batch_size=9, world_size=2), r"global_batch_size=9\) does not divide among world_size=2"),
+    (dict(batch_size=None, global_batch_size=0), r"global_batch_size=0\) must be an integer >= 1"),
+])
+def test_batch_policy_arguments_are_checked(kw, match):
+    args = dict(batch_size=2, rank=0, world_size=1) | kw
+    with pytest.raises(ValueError, match=match):
+        stateful_dataloader(list(range(8)), **args)
 
 
 def test_set_epoch_to_another_epoch_discards_the_restored_position(caplog):
@@ -172,3 +294,33 @@ def test_resumed_iterator_draws_the_same_base_seed():
     again.load_state_dict(state)
     again.set_epoch(again.epoch)
     assert iter(again)._base_seed == expected
+
+
+def test_a_state_saved_after_a_restore_but_before_the_first_batch_keeps_the_position():
+    """torchdata's sampler applies a loaded position only once its generator starts."""
+    loader = _loader()
+    loader.set_epoch(0)
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(2)]
+    again = _loader()
+    again.load_state_dict(loader.state_dict())
+    again.set_epoch(0)
+    iter(again)  # an iterator, and no batch read from it
+    third = _loader()
+    third.load_state_dict(again.state_dict())
+    third.set_epoch(0)
+    assert first + [b.tolist() for b in third] == _epochs(_loader(), 1)
+
+
+def test_the_epoch_after_a_world_size_change_is_whole():
+    """The re-sharding position belongs to the epoch it was saved in; the next epoch
+    is the whole data set again, sharded over the new world."""
+    state = _take(_world(3, N, 6), 2)[1]  # 3 ranks, 2 batches of 2: 12 samples of epoch 0
+    loaders = _world(2, N, 6)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    rest = [[i for b in _epochs(l, 1) for i in b] for l in loaders]  # the rest of epoch 0
+    assert sorted(rest[0] + rest[1]) == sorted(_order(0)[12:12 + 2 * len(rest[0])])
+    epoch1 = [[i for b in _epochs(l, 2, start=1) for i in b] for l in loaders]
+    assert len(set(epoch1[0] + epoch1[1])) == 2 * (N // 2 // 3 * 3)  # whole batches of 3 on each rank
+    assert epoch1 == [[i for b in _epochs(l, 2, start=1) for i in b] for l in _world(2, N, 6)]

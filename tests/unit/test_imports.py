@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("topology",),
     ("scaling", "launch_env", "mesh", "kuberay"),
     ("discovery",),
-    ("device", "throughput", "data", "progress", "examples"),
+    ("device", "throughput", "data", "progress", "examples", "hang"),
     ("strategies", "prepare", "_worker_fns", "_worker", "checkpoint"),
     ("_backend", "config"),
     ("trainer", "actors"),

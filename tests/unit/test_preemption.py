@@ -1,7 +1,8 @@
 """PreemptionGuard: a SIGTERM on one rank -> every rank's `requested()` is True at the
-next step boundary; unarmed, SIGTERM does what it did before; a worker still alive
-when the grace period ends exits itself."""
+next step boundary (and nothing is asked of Ray); unarmed, SIGTERM does what it did before; `stop()` parks the worker when Ray Train knows of the preemption (Ray then
+restarts the run, charged to max_preemption_failures) and raises only when it does not."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -41,8 +42,8 @@ def test_a_notice_on_one_rank_is_requested_on_every_rank():
     assert [r["before"] for r in results] == [False, False]
     assert [r["noticed"] for r in results] == [False, True]
     assert [r["after"] for r in results] == [True, True]
-    assert "another host" in results[0]["stopped"]
-    assert "grace period left on this host" in results[1]["stopped"]
+    # Outside a Ray Train worker Ray cannot learn of it: stop() says so and raises.
+    assert all("Ray Train never learned of the preemption" in r["stopped"] for r in results)
     assert all(r["disarmed"] for r in results)
 
 
@@ -65,24 +66,68 @@ def test_without_an_armed_guard_sigterm_reaches_the_previous_handler():
     assert _spawn.run(_unarmed_passes_sigterm_on, 1) == [(["ray's handler", "ray's handler"], True)]
 
 
-def test_a_worker_still_alive_after_the_grace_period_exits_itself():
+def test_a_sigterm_is_a_local_notice_and_never_a_drain():
+    """Ray SIGTERMs workers when it tears a group down, too: the guard keeps the worker
+    alive and notes the notice, but asks Ray for nothing (a drain would take the host out)."""
     script = textwrap.dedent("""
         import os, signal, time
+        from ray_train_tpu._compat import ray_train as compat_ray
         from ray_train_tpu.checkpoint import preemption
+        calls = []
+        compat_ray.drain_node = lambda *a, **k: calls.append(a) or (True, "")
         preemption.install_handler()
-        with preemption.PreemptionGuard(grace_period_s=0.5):
+        with preemption.PreemptionGuard(grace_period_s=12) as guard:
             os.kill(os.getpid(), signal.SIGTERM)
-            print("alive after the notice", flush=True)
-            time.sleep(30)
-        print("not reached", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal: still one notice
+            time.sleep(0.5)
+            print(guard.noticed(), calls, flush=True)
     """)
     env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
-    assert proc.stdout == "alive after the notice\n"
-    assert "grace period after the termination notice is over" in proc.stderr
-    assert time.monotonic() - start < 25
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "True []\n"
+    assert proc.stderr.count("termination notice (SIGTERM)") == 1
+
+
+def _patch_ray(monkeypatch, *, pending, collected=True, deadline=7.0):
+    from ray_train_tpu._compat import ray_train as compat_ray
+
+    monkeypatch.setattr(compat_ray, "in_train_worker", lambda: True)
+    monkeypatch.setattr(compat_ray, "preemption_pending", lambda: pending)
+    monkeypatch.setattr(compat_ray, "preemption_deadline_s", lambda: deadline)
+    monkeypatch.setattr(compat_ray, "wait_for_reports_collected", lambda timeout_s: collected)
+
+
+def test_stop_parks_the_worker_once_ray_train_knows_of_the_preemption(monkeypatch, caplog):
+    """Neither an exception (Ray would charge max_failures) nor a return (the run would
+    be finished): the worker waits for Ray's deadline teardown."""
+    import threading
+
+    _patch_ray(monkeypatch, pending=True)
+    outcome = []
+
+    def stop():
+        try:
+            preemption.PreemptionGuard(grace_period_s=30).stop()
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+        outcome.append("returned")
+
+    with caplog.at_level(logging.INFO, logger="ray_train_tpu.checkpoint.preemption"):
+        thread = threading.Thread(target=stop, daemon=True)
+        thread.start()
+        thread.join(1.5)
+    assert thread.is_alive() and outcome == []
+    assert "waiting for Ray Train to restart the run at the preemption deadline (in 7 s)" in caplog.text
+
+
+def test_stop_raises_when_ray_train_never_learns_of_the_notice(monkeypatch):
+    _patch_ray(monkeypatch, pending=False)
+    monkeypatch.setattr(preemption, "_RAY_NOTICE_TIMEOUT_S", 0.3)
+    start = time.monotonic()
+    with pytest.raises(preemption.Preempted, match=r"never learned.*no drain of the node.*FailureConfig\(max_failures\)"):
+        preemption.PreemptionGuard(grace_period_s=30).stop()
+    assert 0.3 <= time.monotonic() - start < 5
 
 
 def test_a_guard_needs_the_handler(monkeypatch):
@@ -139,6 +184,7 @@ def test_stop_waits_until_ray_train_collected_the_reports(monkeypatch):
             results.get_nowait()
             results.task_done()
 
+    monkeypatch.setattr(preemption, "_RAY_NOTICE_TIMEOUT_S", 0.1)  # Ray never tells this fake worker
     poller = threading.Thread(target=controller_polls)
     start = time.monotonic()
     poller.start()

@@ -51,3 +51,35 @@ def test_unknown_strategy_fails_before_any_worker_starts():
 def test_bad_torch_config_type():
     with pytest.raises(TypeError, match="must be a TPUTorchConfig"):
         TPUTorchTrainer(lambda: None, torch_config={"backend": "gloo"})
+
+
+def test_an_elastic_job_checks_the_strategy_at_every_slice_count():
+    import dataclasses
+
+    from ray_train_tpu.strategies import DDPStrategy
+
+    seen = []
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Recording(DDPStrategy):
+        def validate(self, topology, num_slices, world_size):
+            seen.append((num_slices, world_size))
+            return super().validate(topology, num_slices, world_size)
+
+    sc = TPUScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=(2, 4))
+    trainer = TPUTorchTrainer(lambda: None, scaling_config=sc, strategy=Recording())
+    assert seen == [(2, 16), (3, 24), (4, 32)]
+    assert trainer.backend_config.num_slices == (2, 4)
+
+
+def test_a_plain_ray_worker_range_is_checked_at_every_slice_count_too():
+    from ray.train import ScalingConfig
+
+    from ray_train_tpu.trainer import _slice_of
+
+    sc = ScalingConfig(num_workers=(8, 24), use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4",
+                       resources_per_worker={"TPU": 1})
+    topology, sizes = _slice_of(sc)
+    assert topology.name == "2x2x2" and sizes == [(1, 8), (2, 16), (3, 24)]
+    trainer = TPUTorchTrainer(lambda: None, scaling_config=sc)
+    assert trainer.backend_config.num_slices is None  # each attempt counts the live slices
