@@ -103,7 +103,7 @@ class RolloutEngine:
         engine_kwargs = dict(engine_kwargs or {})
         env = {**ENGINE_ENV, platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
         if is_simulated():
-            from ray_train_tpu.serve.builder import SIMULATED_ENV
+            from ray_train_tpu.serve.engine import SIMULATED_ENV
 
             env.update({k: v for k, v in SIMULATED_ENV.items() if k.startswith(("GLOO", "VLLM"))})
             engine_kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)

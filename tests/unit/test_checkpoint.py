@@ -207,12 +207,12 @@ def _reshard_across_slices(rank, tmp):
 
     from ray_train_tpu.strategies import FSDP2Strategy, TensorParallelStrategy
 
-    cpu = torch.device("cpu")
+    device = get_device()
 
     def built(strategy, num_slices, seed):
-        strategy.setup(cpu, world_size=2, num_slices=num_slices)
+        strategy.setup(device, world_size=2, num_slices=num_slices)
         torch.manual_seed(seed)
-        model = strategy.parallelize(_net(), cpu)
+        model = strategy.parallelize(_net(), device)
         return model, *_parts(model)
 
     hsdp = FSDP2Strategy()
