@@ -126,6 +126,11 @@ class SimulatedTPUTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _aten_prim_device:
             return DEVICE
+        if any(not issubclass(t, SimulatedTPUTensor) for t in types if t is not torch.Tensor):
+            # Another tensor subclass (an AsyncCollectiveTensor a TP layer returns,
+            # a DTensor) unwraps itself first; its op then reaches us with device
+            # tensors only. Run first, we would hand it host views.
+            return NotImplemented
         if _is_async_collective_wrap(func):
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
 

@@ -177,6 +177,7 @@ def _collectives(rank, world):
     objects = [None] * world
     dist.all_gather_object(objects, "x" * (10 + 7 * rank))  # unequal sizes: resize_ on a device tensor
     _fsdp2_with_a_frozen_layer(device)
+    tp_out = _tp_output_into_a_loss(device, world)
     model = torch.nn.Linear(2, 2).to(device)
     twin = copy.deepcopy(model)
     errors = []
@@ -188,7 +189,22 @@ def _collectives(rank, world):
             errors.append(str(e))
     return (dist.get_backend(), t.device.type, t.cpu().tolist(), [g.item() for g in gathered],
             [len(o) for o in objects], twin.weight.device.type, torch.equal(twin.weight.cpu(), model.weight.cpu()),
-            isinstance(twin.weight, torch.nn.Parameter), errors)
+            isinstance(twin.weight, torch.nn.Parameter), errors, tp_out)
+
+
+def _tp_output_into_a_loss(device, world):
+    """A row-parallel last layer returns an AsyncCollectiveTensor; a loss whose
+    backward keeps it (mse_loss) must see device tensors only (the checkpoint
+    test's TP model crashed here once)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(device)
+    tp = parallelize_module(net, init_device_mesh(device.type, (world,)), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    out = tp(torch.ones(3, 4, device=device))
+    torch.nn.functional.mse_loss(out, torch.zeros(3, 2, device=device)).backward()
+    return type(out).__name__, tp[1].weight.grad is not None
 
 
 def _fsdp2_with_a_frozen_layer(device):
@@ -208,7 +224,8 @@ def _fsdp2_with_a_frozen_layer(device):
 
 def test_collectives_on_device_tensors_run_over_gloo_as_tpu_dist():
     results = _in_child(_collectives, world_size=2)
-    for backend, device, total, gathered, sizes, twin_device, same, is_param, errors in results:
+    for backend, device, total, gathered, sizes, twin_device, same, is_param, errors, tp_out in results:
+        assert tp_out == ("AsyncCollectiveTensor", True)
         assert (backend, device, total, gathered, sizes) == ("tpu_dist", "tpu", [3.0, 3.0, 3.0], [0.0, 1.0], [10, 17])
         assert (twin_device, same, is_param) == ("tpu", True, True)
         assert len(errors) == 2, errors
