@@ -1,0 +1,71 @@
+"""MkDocs hooks of the documentation site (``hooks:`` in mkdocs.yml).
+
+- Public names that a package imports on first use (``_PUBLIC`` / ``_LAZY`` in
+  its ``__init__.py``, so that ``import ray_train_tpu`` stays cheap) are invisible
+  to a static reader. An API page writes the name users import,
+  ``::: ray_train_tpu.rl.GRPOConfig``, and this hook points mkdocstrings at the
+  module that defines it, read from that map: a page survives a move of the
+  definition, and a name that is neither defined nor mapped still fails the build.
+- The benchmark plots (``benchmarks/results/*.png``) are published as
+  ``benchmarks/results/<name>.png`` of the site, for the results page.
+- A page listed in ``extra.pending_pages`` (written on a branch not merged yet)
+  and absent gets a one-line page in the built site only, so that the nav and
+  links to it resolve. tests/unit/test_docs_build.py fails once such a page
+  exists, so the list is emptied after the merge and a missing page then fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "ray_train_tpu"
+RESULTS = Path("benchmarks") / "results"
+_DIRECTIVE = re.compile(r"^(:::[ \t]+)([\w.]+)", flags=re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def lazy_exports(package: str) -> dict[str, str]:
+    """``{name: defining module}`` from the ``_PUBLIC`` / ``_LAZY`` dict of a
+    package's ``__init__.py`` (read, not imported)."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    if not init.is_file():
+        return {}
+    found: dict[str, str] = {}
+    for node in ast.parse(init.read_text()).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id in ("_PUBLIC", "_LAZY") for t in node.targets)):
+            found.update(ast.literal_eval(node.value))
+    return found
+
+
+def resolve(identifier: str) -> str:
+    """The path mkdocstrings should collect for a public `identifier`."""
+    package, _, name = identifier.rpartition(".")
+    if package.split(".")[0] == PACKAGE and name in lazy_exports(package):
+        return f"{lazy_exports(package)[name]}.{name}"
+    return identifier
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return _DIRECTIVE.sub(lambda m: m.group(1) + resolve(m.group(2)), markdown)
+
+
+def pending_pages(config) -> list[str]:
+    return list((config.get("extra") or {}).get("pending_pages") or [])
+
+
+def on_files(files, config):
+    for png in sorted((ROOT / RESULTS).glob("*.png")):
+        files.append(File.generated(config, (RESULTS / png.name).as_posix(), abs_src_path=str(png)))
+    present = {f.src_uri for f in files}
+    for uri in pending_pages(config):
+        if uri not in present:
+            files.append(File.generated(config, uri, content=(
+                f"# {uri}\n\nThis page is written on a branch that has not been merged yet.\n")))
+    return files
