@@ -7,7 +7,9 @@
   module that defines it, read from that map: a page survives a move of the
   definition, and a name that is neither defined nor mapped still fails the build.
 - The benchmark plots (``benchmarks/results/*.png``) are published as
-  ``benchmarks/results/<name>.png`` of the site, for the results page.
+  ``benchmarks/results/<name>.png`` of the site. A page links them by their path
+  in the repository (``../benchmarks/results/x.png`` from docs/), which also works
+  when the Markdown is read on its own; the hook points such links at the copy.
 - A page listed in ``extra.pending_pages`` (written on a branch not merged yet)
   and absent gets a one-line page in the built site only, so that the nav and
   links to it resolve. tests/unit/test_docs_build.py fails once such a page
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import posixpath
 import re
 from pathlib import Path
 
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "ray_train_tpu"
 RESULTS = Path("benchmarks") / "results"
 _DIRECTIVE = re.compile(r"^(:::[ \t]+)([\w.]+)", flags=re.M)
+_LINK = re.compile(r"(\]\()([^)\s]+)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,8 +56,20 @@ def resolve(identifier: str) -> str:
     return identifier
 
 
+def published(target: str, page_uri: str) -> str:
+    """A link from a page (``page_uri`` inside docs/) to a file of the repository
+    that the site publishes, made relative to the page in the site; else unchanged."""
+    if re.match(r"[a-z]+:|#|/", target):
+        return target
+    in_repo = posixpath.normpath(posixpath.join("docs", posixpath.dirname(page_uri), target))
+    if not in_repo.startswith(RESULTS.as_posix() + "/"):
+        return target
+    return posixpath.relpath(in_repo, posixpath.dirname(page_uri) or ".")
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return _DIRECTIVE.sub(lambda m: m.group(1) + resolve(m.group(2)), markdown)
+    markdown = _DIRECTIVE.sub(lambda m: m.group(1) + resolve(m.group(2)), markdown)
+    return _LINK.sub(lambda m: m.group(1) + published(m.group(2), page.file.src_uri), markdown)
 
 
 def pending_pages(config) -> list[str]:
