@@ -14,6 +14,7 @@ one v4 2x2x1 slice (4 workers), then the demo on the same slice.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import time
 
@@ -75,22 +76,44 @@ def _pages_on_a_slice() -> list[str]:
     return sorted(page for page, found in D.by_page(D.all_examples()).items() if any(e.kind == D.SLICE for e in found))
 
 
+@pytest.mark.timeout(300)  # a stuck example must not hold the shared simulation lock for long
 @pytest.mark.parametrize("page", _pages_on_a_slice())
 def test_examples_on_a_simulated_slice_run(page, clusters, tmp_path, monkeypatch):
     found = D.by_page(D.all_examples())[page]
     last = max(i for i, e in enumerate(found) if e.kind == D.SLICE)
     blocks = [e for e in found[:last + 1] if e.kind in (D.LOCAL, D.SLICE)]
     monkeypatch.chdir(tmp_path)
-    ran = D.run(blocks, D.namespace(page))
+    ns = D.namespace(page)
+    try:
+        ran = D.run(blocks, ns)
+    finally:
+        ns.clear()  # as at the end of a script: actors whose handles are gone exit
+        gc.collect()
+        _wait_for_free_tpus(page)
     assert ran == [e.where for e in blocks]
     assert clusters.sim is not None, f"no block of {page} asked for a simulated cluster"
 
 
+def _wait_for_free_tpus(after: str, timeout_s: float = 60.0) -> None:
+    """Every TPU of the shared cluster is free again, so that the next page (or the
+    demo) is not left waiting for resources that a finished example still holds."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    total, deadline = ray.cluster_resources().get("TPU", 0), time.monotonic() + timeout_s
+    while ray.available_resources().get("TPU", 0) < total:
+        assert time.monotonic() < deadline, f"{after} left TPUs held after its examples ended: {ray.available_resources()}"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(300)
 def test_demo_output_is_quiet(clusters, capfd):
     """``make demo`` on the slice the examples used: its own line per step, a
     summary, SIMULATED, and none of Ray Train's per-report INFO lines."""
     from ray_train_tpu.cli import main
 
+    _wait_for_free_tpus("the examples")
     assert main(["demo", "--topology", "2x2x1", "--accelerator-type", "TPU-V4", "--steps", "3"]) == 0
     out = _forwarded(capfd, "step   3")
     assert "SIMULATED" in out and "trained 3 steps" in out and "demo finished" in out
