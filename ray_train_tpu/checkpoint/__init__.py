@@ -18,9 +18,10 @@ directories): ``__<rank>_<n>.distcp`` (DCP shards), ``.metadata`` (rank 0),
 
 Bitwise-exact resume also needs the same world size and strategy, a loader that
 never draws from the global RNG (`ray_train_tpu.data.stateful_dataloader`) and,
-for DDP with more than 2 ranks, ``find_unused_parameters=True``: DDP rebuilds its
-gradient buckets after its first iteration, so a restarted DDP sums its first
-step's gradients in another order (last-bit differences).
+for DDP, fixed gradient buckets: plain DDP rebuilds its buckets after its first
+iteration, so a restarted DDP would sum its first step's gradients in another
+order (last-bit differences); ``DDPStrategy`` (``strategy="ddp"``, the default)
+fixes them before the first step.
 
 Example:
     >>> from ray_train_tpu import checkpoint

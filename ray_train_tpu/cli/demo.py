@@ -14,6 +14,9 @@ import sys
 import time
 from typing import TextIO
 
+from ray_train_tpu import _environ
+from ray_train_tpu import constants as C
+
 BANNER = (
     "*** SIMULATED TPU slice: a real Ray cluster whose nodes look like TPU hosts; "
     "tensors live on a simulated 'tpu' device (CPU memory) and collectives use gloo. No TPU is used. ***"
@@ -29,7 +32,32 @@ def register(subparsers, add_slice_args) -> None:
     add_slice_args(p, topology="4x4", accelerator_type="TPU-V6E", num_slices=False)
     p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
     p.add_argument("--strategy", default="ddp", help="ddp, fsdp2, tp, fsdp2+tp")
+    p.add_argument("--verbose", action="store_true",
+                   help=f"show Ray's own INFO lines too, e.g. one per report per worker ({C.RAY_TRAIN_TPU_VERBOSE}=1)")
     p.set_defaults(func=run)
+
+
+def is_verbose(args: argparse.Namespace) -> bool:
+    """--verbose, or RAY_TRAIN_TPU_VERBOSE=1 in the environment."""
+    return bool(getattr(args, "verbose", False)) or _environ.get(C.RAY_TRAIN_TPU_VERBOSE) == "1"
+
+
+def quiet_logs() -> None:
+    """In a worker: INFO records of loggers without a level of their own (Ray Train's
+    "Reporting training result ..." line, once per report per worker) are dropped.
+    Ray Train's own ``ray.train`` loggers follow the run's ``LoggingConfig`` instead
+    (`run_config`), and its session log files keep everything either way."""
+    import logging
+
+    logging.getLogger().setLevel(logging.WARNING)
+
+
+def run_config(storage_path: str, verbose: bool):
+    """The demo's RunConfig: Ray Train's console logs at WARNING unless verbose."""
+    import ray.train
+
+    logging_config = None if verbose else ray.train.LoggingConfig(log_level="WARNING")
+    return ray.train.RunConfig(name="ray_train_tpu_demo", storage_path=storage_path, logging_config=logging_config)
 
 
 def _train_loop(config: dict) -> None:
@@ -41,6 +69,8 @@ def _train_loop(config: dict) -> None:
     import ray_train_tpu
     from ray_train_tpu.throughput import ThroughputMeter
 
+    if not config.get("verbose"):
+        quiet_logs()
     torch.manual_seed(0)
     device = ray_train_tpu.get_device()
     model = torch.nn.Sequential(
@@ -135,8 +165,6 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     out.write(format_plan_table(build_plan(topology), max_rows=16))
     out.flush()
 
-    import ray.train
-
     from ray_train_tpu import TPUScalingConfig, TPUTorchTrainer
     from ray_train_tpu.testing import simulated_tpu_cluster
 
@@ -146,12 +174,15 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                   f"in {time.perf_counter() - start:.0f} s\n")
         out.flush()
         _all_reduce_over_actors(out, topology.num_devices)
+        verbose = is_verbose(args)
+        if not verbose:
+            out.write(f"training ({C.RAY_TRAIN_TPU_VERBOSE}=1 or --verbose also shows Ray's own log lines):\n")
         out.flush()
         trainer = TPUTorchTrainer(
             _train_loop,
-            train_loop_config={"steps": args.steps, "batch_size": 32},
+            train_loop_config={"steps": args.steps, "batch_size": 32, "verbose": verbose},
             scaling_config=TPUScalingConfig(topology=topology.name, accelerator_type=topology.accelerator_type),
-            run_config=ray.train.RunConfig(name="ray_train_tpu_demo", storage_path=_storage()),
+            run_config=run_config(_storage(), verbose),
             strategy=args.strategy,
         )
         fit_start = time.perf_counter()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 # Every concrete strategy by name, in the order their modules were imported;
 # filled by `Strategy.__init_subclass__`, read by `registry.get_strategy`.
 STRATEGIES: dict[str, type["Strategy"]] = {}
+"""Every strategy class by its ``name``; each registers itself when its module is imported."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

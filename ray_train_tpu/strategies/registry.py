@@ -22,6 +22,7 @@ from typing import Union
 from ray_train_tpu.strategies.base import STRATEGIES, Strategy
 
 DEFAULT_STRATEGY = "ddp"
+"""The strategy of ``TPUTorchTrainer`` and ``prepare_model`` when none is given."""
 # Listed first, in this order, in messages; any other strategy follows.
 _ORDER = ("ddp", "fsdp2", "tp", "fsdp2+tp", "model_parallel")
 

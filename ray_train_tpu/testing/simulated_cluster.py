@@ -53,7 +53,7 @@ HostKey = tuple[int, int]  # (slice id, TPU worker id)
 
 
 def host_ip(slice_id: int, worker_id: int) -> str:
-    """Loopback address of a simulated host: 127.0.<slice + 1>.<worker id + 1>."""
+    """Loopback address of a simulated host: ``127.0.<slice id + 1>.<worker id + 1>``."""
     return f"127.0.{slice_id + 1}.{worker_id + 1}"
 
 
