@@ -166,36 +166,38 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     out.flush()
 
     from ray_train_tpu import TPUScalingConfig, TPUTorchTrainer
+    from ray_train_tpu.cli import running
     from ray_train_tpu.testing import simulated_tpu_cluster
 
-    start = time.perf_counter()
-    with simulated_tpu_cluster(topology.name, topology.accelerator_type) as sim:
-        out.write(f"\nsimulated cluster up: {len(sim.hosts)} hosts ({', '.join(sorted(sim.hosts.values()))}) "
-                  f"in {time.perf_counter() - start:.0f} s\n")
-        out.flush()
-        _all_reduce_over_actors(out, topology.num_devices)
-        verbose = is_verbose(args)
-        if not verbose:
-            out.write(f"training ({C.RAY_TRAIN_TPU_VERBOSE}=1 or --verbose also shows Ray's own log lines):\n")
-        out.flush()
-        trainer = TPUTorchTrainer(
-            _train_loop,
-            train_loop_config={"steps": args.steps, "batch_size": 32, "verbose": verbose},
-            scaling_config=TPUScalingConfig(topology=topology.name, accelerator_type=topology.accelerator_type),
-            run_config=run_config(_storage(), verbose),
-            strategy=args.strategy,
-        )
-        fit_start = time.perf_counter()
-        result = trainer.fit()
-        if result.error is not None:
-            raise result.error
-        final = result.metrics or {}
-        out.write(
-            f"\ntrained {args.steps} steps with strategy={args.strategy!r} on {topology.num_devices} "
-            f"SIMULATED {topology.accelerator_type} workers in {time.perf_counter() - fit_start:.0f} s; "
-            f"final loss {final.get('loss', float('nan')):.4f}; checkpoint: "
-            f"{result.checkpoint.path if result.checkpoint else 'none'}\n"
-        )
+    with running("the demo"):
+        start = time.perf_counter()
+        with simulated_tpu_cluster(topology.name, topology.accelerator_type) as sim:
+            out.write(f"\nsimulated cluster up: {len(sim.hosts)} hosts ({', '.join(sorted(sim.hosts.values()))}) "
+                      f"in {time.perf_counter() - start:.0f} s\n")
+            out.flush()
+            _all_reduce_over_actors(out, topology.num_devices)
+            verbose = is_verbose(args)
+            if not verbose:
+                out.write(f"training ({C.RAY_TRAIN_TPU_VERBOSE}=1 or --verbose also shows Ray's own log lines):\n")
+            out.flush()
+            trainer = TPUTorchTrainer(
+                _train_loop,
+                train_loop_config={"steps": args.steps, "batch_size": 32, "verbose": verbose},
+                scaling_config=TPUScalingConfig(topology=topology.name, accelerator_type=topology.accelerator_type),
+                run_config=run_config(_storage(), verbose),
+                strategy=args.strategy,
+            )
+            fit_start = time.perf_counter()
+            result = trainer.fit()
+            if result.error is not None:
+                raise result.error
+            final = result.metrics or {}
+            out.write(
+                f"\ntrained {args.steps} steps with strategy={args.strategy!r} on {topology.num_devices} "
+                f"SIMULATED {topology.accelerator_type} workers in {time.perf_counter() - fit_start:.0f} s; "
+                f"final loss {final.get('loss', float('nan')):.4f}; checkpoint: "
+                f"{result.checkpoint.path if result.checkpoint else 'none'}\n"
+            )
     out.write(f"demo finished in {time.perf_counter() - start:.0f} s (SIMULATED: 'tpu' device over CPU memory, gloo)\n")
     return 0
 

@@ -134,6 +134,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     _check(args)
     from tqdm.auto import tqdm
 
+    from ray_train_tpu.cli import running
     from ray_train_tpu.rl.loop import GRPOLoop
     from ray_train_tpu.testing import simulated_tpu_cluster
 
@@ -143,23 +144,25 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     topology, slices = config.topology, 1 if config.one_slice else 2
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with simulated_tpu_cluster(topology, config.accelerator_type, num_slices=slices):
-        with GRPOLoop(config) as loop:
-            where = "half A of the slice" if config.one_slice else "slice A"
-            out.write(f"{TAG} trainer: FSDP2 over {loop.trainer.world_size} chips of {where} ({loop.num_params:,} "
-                      f"parameters); rollouts: {loop.pool.num_engines} vLLM engine(s) of {config.tensor_parallel_size} "
-                      f"chip(s) on the other {'half' if config.one_slice else 'slice'}; up in "
-                      f"{time.perf_counter() - start:.0f} s; first sync {loop.initial_sync['sync_s']:.2f} s, "
-                      "engine == trainer bitwise\n")
-            out.flush()
-            with tqdm(total=args.steps, desc="GRPO [SIMULATED]", unit="step", file=sys.stderr) as bar:
-                def on_step(m):
-                    bar.write(format_step(m), file=out)
-                    bar.n = m["step"]
-                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", refresh=True)
+    with running("the RL demo"):
+        start = time.perf_counter()
+        with simulated_tpu_cluster(topology, config.accelerator_type, num_slices=slices):
+            with GRPOLoop(config) as loop:
+                where = "half A of the slice" if config.one_slice else "slice A"
+                out.write(f"{TAG} trainer: FSDP2 over {loop.trainer.world_size} chips of {where} "
+                          f"({loop.num_params:,} parameters); rollouts: {loop.pool.num_engines} vLLM engine(s) of "
+                          f"{config.tensor_parallel_size} chip(s) on the other "
+                          f"{'half' if config.one_slice else 'slice'}; up in "
+                          f"{time.perf_counter() - start:.0f} s; first sync {loop.initial_sync['sync_s']:.2f} s, "
+                          "engine == trainer bitwise\n")
+                out.flush()
+                with tqdm(total=args.steps, desc="GRPO [SIMULATED]", unit="step", file=sys.stderr) as bar:
+                    def on_step(m):
+                        bar.write(format_step(m), file=out)
+                        bar.n = m["step"]
+                        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", refresh=True)
 
-                history = loop.run(args.steps, on_step=on_step)
+                    history = loop.run(args.steps, on_step=on_step)
     s = summary(history)
     (outdir / "history.json").write_text(json.dumps({"simulated": True, "summary": s, "history": history}, indent=1))
     plot(history, outdir / "reward_curve.png", f"GRPO {args.model}")

@@ -47,3 +47,23 @@ def test_demo_is_quiet_unless_verbose(monkeypatch):
 def test_demo_help_names_the_verbose_flag(capsys):
     assert main(["demo", "-h"], out=io.StringIO(), err=io.StringIO()) == 0
     assert "--verbose" in capsys.readouterr().out
+
+
+def test_a_failure_while_the_demo_runs_is_exit_1_naming_the_demo(monkeypatch):
+    """A ValueError raised while running (here: from the cluster's start) is the
+    demo's failure, exit 1 with what failed, not "bad input" (exit 2)."""
+    import contextlib
+
+    import ray_train_tpu.testing
+
+    @contextlib.contextmanager
+    def no_cluster(*args, **kwargs):
+        raise ValueError("deep inside Ray: a node could not start")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(ray_train_tpu.testing, "simulated_tpu_cluster", no_cluster)
+    err = io.StringIO()
+    assert main(["demo", "--steps", "1"], out=io.StringIO(), err=err) == 1
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "ray_train_tpu: error: the demo failed:", lines
+    assert any("a node could not start" in line for line in lines)
