@@ -54,6 +54,7 @@ def prepare_model(model, *, strategy: Any = None, move_to_device: bool = True):
     import torch.distributed as dist
 
     from ray_train_tpu.strategies import get_strategy
+    from ray_train_tpu.strategies.base import to_device
     from ray_train_tpu.topology import Topology
 
     chosen = get_strategy(strategy) if strategy is not None else current_strategy()
@@ -63,7 +64,7 @@ def prepare_model(model, *, strategy: Any = None, move_to_device: bool = True):
     topology = Topology.parse(ctx.topology, ctx.accelerator_type) if ctx.topology else None
     chosen.setup(device, world_size, topology, ctx.num_slices)
     if move_to_device:
-        model = model.to(device)
+        model = to_device(model, device)
     return chosen.parallelize(model, device)
 
 
@@ -89,7 +90,9 @@ def ray_prepare_model(model, move_to_device=True, parallel_strategy="ddp", paral
             parallel_strategy_kwargs,
         )
     if parallel_strategy is None:
-        return model.to(get_device()) if move_to_device else model
+        from ray_train_tpu.strategies.base import to_device
+
+        return to_device(model, get_device()) if move_to_device else model
     if parallel_strategy == "fsdp":
         return prepare_model(model, strategy="fsdp2", move_to_device=bool(move_to_device))
     if parallel_strategy != "ddp":

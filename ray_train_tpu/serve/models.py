@@ -74,7 +74,9 @@ def load_causal_lm(source: str, device: Any, dtype: str = "float32"):
             f"model {source!r} has no chat template; /v1/chat/completions needs one "
             "(serve an instruct/chat model)"
         )
-    return model.to(device).eval(), tokenizer
+    from ray_train_tpu.strategies.base import to_device
+
+    return to_device(model, device).eval(), tokenizer
 
 
 def hf_dir_from_gguf(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> str:

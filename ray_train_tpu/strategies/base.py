@@ -158,8 +158,32 @@ def dp_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
 
 
 def to_device(model: "nn.Module", device: "torch.device") -> "nn.Module":
-    """``model.to(device)``, except for a model on the meta device: that one is
-    materialized after sharding (``to_empty``), never copied whole."""
+    """``model.to(device)``, keeping tied parameters tied, except for a model on
+    the meta device: that one is materialized after sharding (``to_empty``),
+    never copied whole.
+
+    A "tpu" tensor (torch_tpu's PrivateUse1 backend, like XLA's) cannot take a
+    host tensor's place in a parameter (``_has_compatible_shallow_copy_type``
+    is false between them), so ``Module.to`` makes a new parameter per module:
+    a tied embedding and output layer become two, trained apart. torch_tpu's own
+    trainer re-ties Hugging Face models (``tie_weights()``); here every
+    parameter that had several names gets its one tensor back, for any model.
+    """
     if any(p.is_meta for p in model.parameters()):
         return model
-    return model.to(device)
+    ties = tied_parameter_names(model)
+    model = model.to(device)
+    for names in ties:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    return model
+
+
+def tied_parameter_names(model: "nn.Module") -> list[list[str]]:
+    """The names of every parameter that has more than one, grouped per tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]

@@ -22,7 +22,7 @@ def _in_child(fn, world_size=1):
 def _single_rank_checks(rank, world):
     return {name: fn(rank, world) for name, fn in (("mixing", _mixing_fails), ("copies", _host_device_copies),
                                                    ("rng", _own_generator), ("pickle", _pickles_to_the_device),
-                                                   ("in_place", _in_place_metadata))}
+                                                   ("in_place", _in_place_metadata), ("ties", _tied_weights))}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,28 @@ def test_copies_between_host_and_device_are_explicit_and_scalars_come_back(check
     assert (total, largest, mean, listed) == (15.0, 5.0, "2.50", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     assert "can't convert tpu:0 device type tensor to numpy" in numpy_error
     assert shown.endswith("device='tpu:0')")
+
+
+def _tied_weights(rank, world):
+    """As with torch_tpu's tensors, a host parameter cannot take a device tensor
+    in place, so Module.to makes one parameter per module; our move re-ties."""
+    import ray_train_tpu
+    from ray_train_tpu.strategies.base import to_device
+
+    def tied():
+        embed, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+        head.weight = embed.weight
+        return torch.nn.Sequential(embed, head)
+
+    device = ray_train_tpu.get_device()
+    plain, ours = tied().to(device), to_device(tied(), device)
+    return plain[1].weight is plain[0].weight, ours[1].weight is ours[0].weight, len(list(ours.parameters()))
+
+
+def test_moving_a_model_to_the_device_keeps_tied_weights_tied(checked):
+    plain_tied, ours_tied, num_params = checked["ties"]
+    assert not plain_tied  # what a "tpu" tensor does to Module.to (torch_tpu's trainer re-ties too)
+    assert ours_tied and num_params == 1
 
 
 def _own_generator(rank, world):
