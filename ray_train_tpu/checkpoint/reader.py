@@ -34,7 +34,7 @@ def _set_rng_state(state: dict) -> None:
             here[1].set_rng_state(device_state)
         else:
             logger.warning("ray_train_tpu: the checkpoint's %s random-number state is not restored: this "
-                           "process has no %s device", device_type, device_type)
+                           "process has not started a %s device", device_type, device_type)
     if "numpy" in state:
         import numpy as np
         name, keys, pos, has_gauss, gauss = state["numpy"]

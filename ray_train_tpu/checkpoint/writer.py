@@ -40,14 +40,19 @@ def _rng_state() -> dict:
 
 def _accelerator_rng_module():
     """``(device type, torch.<device> module)`` of this process's accelerator other
-    than CUDA (kept under "cuda" as before) when it has its own generator, else None."""
+    than CUDA (kept under "cuda" as before) when it has its own generator and has
+    started in this process, else None. Never starts it: on a TPU host a process
+    that only imported torch_tpu (a driver saving or reading a checkpoint) would
+    otherwise open the chips and hold libtpu's lockfile against the workers."""
     import torch
 
     current = torch.accelerator.current_accelerator()
     if current is None or current.type in ("cpu", "cuda"):
         return None
     module = torch.get_device_module(current.type)
-    return (current.type, module) if hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state") else None
+    if not all(hasattr(module, f) for f in ("get_rng_state", "set_rng_state", "is_initialized")):
+        return None
+    return (current.type, module) if module.is_initialized() else None
 
 
 def _write_rank_file(directory: Path, rank: int, world_size: int, dataloader) -> tuple[str, dict]:

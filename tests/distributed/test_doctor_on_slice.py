@@ -73,7 +73,10 @@ def faults(sim):
             ((3, 0), dict(topology=Topology.parse("2x2x1", "TPU-V7X"), env={"RAY_TPU_RESOURCE_PER_CHIP": None},
                           resources={"TPU": 4})),
         ]:
-            cluster.add_host(*key, **kwargs)
+            # Each its own lockfile stand-in: /tmp/libtpu_lockfile is this machine's,
+            # and any process here may hold it.
+            own = {SIMULATE_LIBTPU_LOCKFILE: str(locks / f"libtpu_lockfile_{key[0]}_{key[1]}")}
+            cluster.add_host(*key, **{**kwargs, "env": {**own, **kwargs.get("env", {})}})
             added.append(key)
         cluster.cluster.wait_for_nodes(timeout=60)
         yield cluster

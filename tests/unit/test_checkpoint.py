@@ -373,3 +373,35 @@ def test_fingerprint_ignores_the_wrapper():
     fp = checkpoint.fingerprint(model)
     assert fp[0] == ["0.bias", [8], "torch.float32"]
     assert checkpoint.fingerprint(torch.compile(model)) == fp
+
+
+def test_a_checkpoint_never_starts_the_accelerator_for_its_random_state(monkeypatch):
+    """In a process that imported torch_tpu but never used a chip (a driver on a
+    TPU host), saving must not start the device: that opens the chips and holds
+    libtpu's lockfile against the workers. Once started, its state is saved."""
+    from ray_train_tpu.checkpoint import writer
+
+    calls = []
+
+    class FakeTPU:
+        started = False
+
+        @classmethod
+        def is_initialized(cls):
+            return cls.started
+
+        @staticmethod
+        def get_rng_state():
+            calls.append("get")
+            return torch.zeros(2, dtype=torch.uint8)
+
+        @staticmethod
+        def set_rng_state(state):
+            calls.append("set")
+
+    # (the test process has no "tpu" device type: PrivateUse1 stands for it)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("privateuseone"))
+    monkeypatch.setattr(torch, "get_device_module", lambda t: FakeTPU)
+    assert "accelerator" not in writer._rng_state() and calls == []
+    FakeTPU.started = True
+    assert writer._rng_state()["accelerator"][0] == "privateuseone" and calls == ["get"]
