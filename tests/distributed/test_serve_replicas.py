@@ -245,13 +245,14 @@ def test_batch_on_both_slices_equals_offline_and_survives_a_killed_engine(served
     with SliceBatchProcessor(config) as processor:
         for row in processor(ds).iter_rows():
             rows.append(row)
-            if killed is None:  # both engines are up and working: kill one mid-run
+            if killed is None:  # once both engines are up (one may start later on a busy machine): kill one
                 engines = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
                            if "SliceEngineUDF" in a.class_name]
-                assert len(engines) == 2, [a.class_name for a in engines]
-                killed = engines[0]
-                os.kill(killed.pid, signal.SIGKILL)
+                if len(engines) == 2:
+                    killed = engines[0]
+                    os.kill(killed.pid, signal.SIGKILL)
         elapsed = time.monotonic() - t0
+        assert killed is not None, f"the second engine never came up while {len(rows)} rows were produced"
         assert len(_tpu_pgs()) == 2  # one slice per engine, until released
     print(f"batch: {len(rows)} rows in {elapsed:.0f} s, one of two engines killed after the first row")
     assert sorted(r["id"] for r in rows) == list(range(NUM_PROMPTS))  # none lost, none twice
