@@ -30,7 +30,7 @@ from ray_train_tpu.launch_env import launch_envs
 from ray_train_tpu.testing.worker_env import torch_tpu_sets
 from ray_train_tpu.topology import Topology
 
-pytest.importorskip("torch_tpu", reason="needs the [tpu] extra (torch-tpu)")
+import torch_tpu  # noqa: E402,F401  (the [tpu] extra, which make test installs: never skipped)
 pytestmark = pytest.mark.slow
 
 # torch_tpu's names of the generations (hardware._PCI_DEVICE_ID_TO_NAME)

@@ -9,9 +9,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-pytest.importorskip("torch_tpu", reason="needs the [tpu] extra (torch-tpu)")
+import torch_tpu  # noqa: F401  (the [tpu] extra, which make test installs: never skipped)
 
 _CODE = """
 import os
