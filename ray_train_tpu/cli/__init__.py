@@ -107,7 +107,11 @@ def _describe(p: argparse.ArgumentParser, module, help_line) -> None:
         p.epilog = "example:\n  " + example
 
 
-def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
+    # sys.stdout / sys.stderr as they are now, not when this module was imported
+    # (a redirect or a test's capture replaces them later).
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     try:
         parser = _build_parser()
         args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TextIO
+from typing import Optional, TextIO
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
@@ -153,7 +153,8 @@ def _all_reduce_over_actors(out: TextIO, num_workers: int) -> None:
             ray.kill(a)
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    out = sys.stdout if out is None else out
     from ray_train_tpu.cli.plan import build_plan, format_plan_table
     from ray_train_tpu.topology import Topology
 

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Optional, TextIO
 
 TAG = "[SIMULATED]"
 BANNER = ("*** SIMULATED TPU slices: a real Ray cluster whose nodes look like TPU hosts; the trainer uses CPU "
@@ -130,7 +130,8 @@ def plot(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    out = sys.stdout if out is None else out
     _check(args)
     from tqdm.auto import tqdm
 

@@ -67,3 +67,14 @@ def test_a_failure_while_the_demo_runs_is_exit_1_naming_the_demo(monkeypatch):
     lines = err.getvalue().splitlines()
     assert lines[0] == "ray_train_tpu: error: the demo failed:", lines
     assert any("a node could not start" in line for line in lines)
+
+
+def test_the_cli_writes_to_sys_stdout_as_it_is_when_called(capsys):
+    """Not the sys.stdout of import time: a redirect (or a test's capture) made
+    later must get the output."""
+    import contextlib
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--topology", "2x2x1", "--accelerator-type", "TPU-V4"]) == 0
+    assert "v4-8" in buf.getvalue() and "v4-8" not in capsys.readouterr().out
