@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import re
 import time
 
 import pytest
@@ -119,8 +120,14 @@ def test_demo_output_is_quiet(clusters, capfd):
     out = _forwarded(capfd, "step   3")
     assert "SIMULATED" in out and "trained 3 steps" in out and "demo finished" in out
     assert [n for n in (1, 2, 3) if f"[SIMULATED] step   {n}" not in out] == []
+    # A late dedup summary ("[repeated Nx across cluster]") of an earlier example's
+    # lines may still arrive during the demo; it names that example's worker, not the
+    # demo's. Any other such line is the demo's own noise.
+    demo_pids = set(re.findall(r"pid=(\d+)\)\S* \[SIMULATED\] step", out))
+    assert demo_pids, out
     noise = [line for line in out.splitlines()
-             if "Reporting training result" in line or "Started training worker group" in line]
+             if ("Reporting training result" in line or "Started training worker group" in line)
+             and not ("[repeated" in line and set(re.findall(r"pid=(\d+)", line)) - demo_pids)]
     assert noise == [], f"Ray's INFO lines in the demo's output: {noise}"
 
 
