@@ -8,11 +8,42 @@ import sys
 from typing import Optional
 
 
+# Where free_port looks first: below the kernel's ephemeral range and above
+# Ray's default worker ports (10002-19999).
+_LISTEN_PORTS_FLOOR = 20000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (an address of this machine) right now."""
+    """A TCP port free on `host` (an address of this machine) right now.
+
+    The caller binds it a moment later (a rendezvous store). A port from the
+    kernel's ephemeral range can be taken in between by any outgoing connection,
+    and Ray opens many (the suite saw EADDRINUSE); so a port below that range is
+    tried first, and the kernel's choice only if none of those is free."""
+    import random
+
+    low = _ephemeral_low()
+    if low - 1 > _LISTEN_PORTS_FLOOR:
+        for port in random.sample(range(_LISTEN_PORTS_FLOOR, low), min(64, low - _LISTEN_PORTS_FLOOR)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def lockfile_holder(path: str) -> Optional[dict]:

@@ -394,3 +394,22 @@ def test_job_env_that_cannot_describe_the_slice_is_reported_per_host():
         assert text in p["message"], p["message"]
     coordinator_here = probe(env={"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.1:8081"})
     assert diagnose(nodes, probes_for(nodes, **{"10.0.0.2": coordinator_here}))["healthy"]
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable(monkeypatch, tmp_path):
+    """A rendezvous port the kernel will not hand to an outgoing connection meanwhile."""
+    import socket
+
+    from ray_train_tpu import _host
+
+    low = _host._ephemeral_low()
+    ports = {_host.free_port() for _ in range(5)}
+    assert all(_host._LISTEN_PORTS_FLOOR <= p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    # A kernel whose ephemeral range starts low leaves no such room: the kernel's choice.
+    ranges = tmp_path / "range"
+    ranges.write_text("1024\t60999\n")
+    monkeypatch.setattr(_host, "_EPHEMERAL_RANGE_FILE", str(ranges))
+    assert _host._ephemeral_low() == 1024 and _host.free_port() > 0
