@@ -37,6 +37,7 @@ from ray_train_tpu.checkpoint.preemption import install_handler as install_preem
 from ray_train_tpu._compat import ray_train as compat_ray
 from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout, order_slice_hosts
 from ray_train_tpu.hang import CollectiveHangError, CollectiveWatch, HangDetector
+from ray_train_tpu.hang import ranges as _ranges
 from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type
@@ -328,15 +329,3 @@ def _short(value: str, limit: int = 120) -> str:
 def _node_rank(rank: int, placement: Layout) -> int:
     per_host = len(placement.ranks) // len(placement.hosts)
     return rank // per_host
-
-
-def _ranges(values: list[int]) -> str:
-    values = sorted(values)
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
