@@ -14,10 +14,7 @@ test_serve_replicas.py.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +25,7 @@ import ray
 from ray_train_tpu.launch_env import launch_env
 from ray_train_tpu.testing import alive_actors, free_port, simulated_tpu_cluster
 from ray_train_tpu.topology import Topology
+from tests.offline_reference import OfflineReference
 
 pytestmark = pytest.mark.distributed
 
@@ -51,36 +49,6 @@ comp = llm.generate([prompt], greedy)[0].outputs[0]
 print("RESULT " + json.dumps({"chat": list(chat.token_ids), "chat_text": chat.text,
                               "completion": list(comp.token_ids)}))
 """
-
-
-class OfflineReference:
-    """A script (vLLM offline, or vllm-torchtpu's executor) in a process of its
-    own, started at once and read when needed: it runs while the cluster and
-    the app start."""
-
-    def __init__(self, code: str, arg, log_dir):
-        env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        self.out, self.err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(arg)], stdout=self.out,
-                                     stderr=self.err, text=True, env=env)
-        self._result = None
-
-    def result(self):
-        if self._result is None:
-            self.proc.wait(timeout=900)
-            self.out.seek(0)
-            self.err.seek(0)
-            lines = [line for line in self.out.read().splitlines() if line.startswith("RESULT ")]
-            assert self.proc.returncode == 0 and lines, self.err.read()[-3000:]
-            self._result = json.loads(lines[-1][len("RESULT "):])
-        return self._result
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +279,6 @@ topo = Topology.parse(cfg["topology"], cfg["accelerator_type"])
 handle = SlicePlacementGroup(topology=topo.name, accelerator_version=topo.accelerator_type,
                              resources_per_bundle={"TPU": 1}, strategy="SPREAD")
 plan = lay_out(handle.placement_group, topo)
-import os
 os.environ["TORCH_TPU_TOPOLOGY"] = topo.torch_tpu_topology  # as build_llm_config gives a replica on TPUs
 cls = executor.RayDistributedExecutorV2
 theirs = cls._slice_host_layout(None, "TPU")

@@ -27,6 +27,7 @@ import pytest
 import ray
 
 from ray_train_tpu.testing import alive_actors, free_port
+from tests.offline_reference import OfflineReference
 
 pytestmark = pytest.mark.distributed
 
@@ -49,35 +50,6 @@ model, prompts, n, engine = json.loads(sys.argv[1])
 outs = LLM(model, tensor_parallel_size=1, **engine).generate(prompts, SamplingParams(temperature=0, max_tokens=n))
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
-
-
-class OfflineReference:
-    """vLLM offline in a process of its own (no Ray), started at once and read
-    when needed: it runs while the cluster and its engines start."""
-
-    def __init__(self, code: str, arg, log_dir):
-        env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        self.out, self.err = open(log_dir / "stdout", "w+"), open(log_dir / "stderr", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(arg)], stdout=self.out,
-                                     stderr=self.err, text=True, env=env)
-        self._result = None
-
-    def result(self):
-        if self._result is None:
-            self.proc.wait(timeout=900)
-            self.out.seek(0)
-            self.err.seek(0)
-            lines = [line for line in self.out.read().splitlines() if line.startswith("RESULT ")]
-            assert self.proc.returncode == 0 and lines, self.err.read()[-3000:]
-            self._result = json.loads(lines[-1][len("RESULT "):])
-        return self._result
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
 
 
 @pytest.fixture(scope="module")
