@@ -77,3 +77,17 @@ def ship_to_ray_workers(*modules) -> None:
     for module in modules:
         if module.__name__ != "__main__":
             ray.cloudpickle.register_pickle_by_value(module)
+
+
+def serving_model_dir(model: str) -> str:
+    """The serving benchmarks' ``--model``: ``smollm2`` (packaged), ``tiny`` (made
+    once in the temp dir), or a directory or Hugging Face id as given."""
+    import tempfile
+
+    from ray_train_tpu.serve import save_tiny_model, smollm2_dir
+
+    if model == "smollm2":
+        return smollm2_dir()
+    if model == "tiny":
+        return save_tiny_model(os.path.join(tempfile.gettempdir(), "ray_train_tpu-tiny-model"))
+    return model

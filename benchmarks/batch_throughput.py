@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, write  # noqa: E402
+from benchmarks._common import environment, serving_model_dir, write  # noqa: E402
 
 NAME = "batch_throughput"
 GOAL = 0.9
@@ -121,16 +121,6 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     rows, tokens = out["job_batch_vs_offline_rows_per_s"], out["job_batch_vs_offline_tokens_per_s"]
     out["meets_goal"] = bool(rows and tokens and rows >= GOAL and tokens >= GOAL)
     return out
-
-
-def _model_dir(args) -> str:
-    from ray_train_tpu.serve import save_tiny_model, smollm2_dir
-
-    if args.model == "smollm2":
-        return smollm2_dir()
-    if args.model == "tiny":
-        return save_tiny_model(os.path.join(tempfile.gettempdir(), "ray_train_tpu-tiny-model"))
-    return args.model
 
 
 def run_batch(args, model_dir: str, texts: list[str]) -> dict:
@@ -224,7 +214,7 @@ def main(argv=None) -> dict:
     # Ray gives the batch engines' vLLM workers (zero-CPU actors) OMP_NUM_THREADS=1;
     # the offline processes get the same, or the comparison is of thread counts.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    model_dir = _model_dir(args)
+    model_dir = serving_model_dir(args.model)
     texts = prompts(args.prompts)
     from ray_train_tpu.testing import simulated_tpu_cluster
 

@@ -20,14 +20,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, write  # noqa: E402
+from benchmarks._common import environment, serving_model_dir, write  # noqa: E402
 
 NAME = "serve_throughput"
 GOAL_VS_OFFLINE = 0.8
@@ -87,16 +86,6 @@ def summarize(rows: list[dict], generate_tps: float) -> dict:
         "meets_offline_goal": bool(top.get("endpoint_vs_offline") and top["endpoint_vs_offline"] >= GOAL_VS_OFFLINE),
         "meets_generate_goal": bool(top.get("endpoint_vs_generate") and top["endpoint_vs_generate"] >= GOAL_VS_GENERATE),
     }
-
-
-def _model_dir(args) -> str:
-    from ray_train_tpu.serve import save_tiny_model, smollm2_dir
-
-    if args.model == "smollm2":
-        return smollm2_dir()
-    if args.model == "tiny":
-        return save_tiny_model(os.path.join(tempfile.gettempdir(), "ray_train_tpu-tiny-model"))
-    return args.model
 
 
 def _engine(args) -> dict:
@@ -222,7 +211,7 @@ def main(argv=None) -> dict:
     # offline run gets the same, or the comparison is of thread counts: with OpenMP's
     # default (2 here) offline measured 38 tokens/s at 32 vs 95 with 1, on 2 busy cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    model_dir = _model_dir(args)
+    model_dir = serving_model_dir(args.model)
     rows = run_endpoint(args, model_dir)
     rows += run_offline(args, model_dir)
     generate_tps = run_generate(args, model_dir)
