@@ -279,6 +279,7 @@ topo = Topology.parse(cfg["topology"], cfg["accelerator_type"])
 handle = SlicePlacementGroup(topology=topo.name, accelerator_version=topo.accelerator_type,
                              resources_per_bundle={"TPU": 1}, strategy="SPREAD")
 plan = lay_out(handle.placement_group, topo)
+import os
 os.environ["TORCH_TPU_TOPOLOGY"] = topo.torch_tpu_topology  # as build_llm_config gives a replica on TPUs
 cls = executor.RayDistributedExecutorV2
 theirs = cls._slice_host_layout(None, "TPU")
