@@ -46,8 +46,10 @@ class PolicyWorker:
     """
 
     def __init__(self, model_dir: str, *, lr: float, seed: int, algorithm: AlgorithmConfig,
-                 max_grad_norm: float = 1.0, temperature: float = 1.0, num_threads: int = 1):
+                 max_grad_norm: float = 1.0, temperature: float = 1.0, num_threads: int = 1,
+                 param_dtype: str = "float32"):
         self.model_dir, self.lr, self.seed, self.algorithm = model_dir, lr, seed, algorithm
+        self.param_dtype = param_dtype  # the master weights: float32 (float64 in numerical tests)
         self.max_grad_norm, self.temperature, self.num_threads = max_grad_norm, temperature, num_threads
         self.model = self.reference = self.optimizer = None
         self._cache: dict = {}  # step -> (old log-probs, reference log-probs) of this rank's rows
@@ -62,7 +64,7 @@ class PolicyWorker:
         from ray_train_tpu.prepare import prepare_model
         from ray_train_tpu.strategies.fsdp2 import FSDP2Strategy
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.param_dtype))
         # One fully_shard per decoder layer (Hugging Face names them in _no_split_modules), then the root.
         names = set(getattr(model, "_no_split_modules", None) or [])
         layers = tuple({type(m) for m in model.modules() if type(m).__name__ in names})

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ray_train_tpu.rl import config, data, grpo, rewards, tasks, weights
+from ray_train_tpu.rl.config import AlgorithmConfig
 from ray_train_tpu.testing import gloo
 from ray_train_tpu.rl.grpo import (aggregate, build_batch, group_advantages, importance_weights, kl_penalty,
                                    minibatches, policy_loss, token_logprobs)
@@ -182,72 +183,169 @@ ALGOS = [
     dict(ppo_epochs=1, num_minibatches=2, old_logprobs="engine", loss_agg="seq-mean-token-mean"),
     dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.05, kl_estimator="k1", micro_batch_size=3),
 ]
+MICRO = dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.05, kl_estimator="k3", micro_batch_size=3)
 
 
-def test_policy_worker_update_equals_a_plain_loop(tiny_model):
+@pytest.fixture(scope="module")
+def update_runs(tiny_model):
+    """One spawned rank runs every comparison below (a spawn costs seconds)."""
+    return gloo.run(_update_runs, 1, tiny_model, ALGOS, MICRO, simulate_tpu=True, timeout_s=240)[0]
+
+
+def test_policy_worker_update_equals_a_plain_loop(update_runs):
     """PolicyWorker.train (FSDP2 over one rank, on the simulated TPU device: the
-    batch arrives as host tensors, as from the object store) ends with the same
-    weights as a plain host loop over the same minibatches with the module's
-    formulas, for each algorithm setting."""
-    assert gloo.run(_update_equals_a_plain_loop, 1, tiny_model, ALGOS, simulate_tpu=True, timeout_s=240) == [
-        len(ALGOS)]
+    batch arrives as host tensors, as from the object store) ends with bitwise the
+    same float32 weights as a plain host loop of the module's formulas over the same
+    minibatches and micro-batches, in the same order, for each algorithm setting.
+
+    Bitwise, because every sum runs in the same order on the same kernels: a fixed
+    tolerance after AdamW would not do (Adam turns a last-bit gradient difference
+    near zero into a visible weight difference; on an Intel Xeon a micro-batched
+    sum compared with a whole-minibatch one moved a weight by 1.27e-5). That the
+    micro-batches add up to the whole minibatch's gradient is checked in float64
+    below, before the optimizer."""
+    assert [r["algo"] for r in update_runs["float32"]] == ALGOS
+    for r in update_runs["float32"]:
+        assert r["updates"] == AlgorithmConfig(**r["algo"]).updates_per_batch and math.isfinite(r["loss"])
+        assert r["differing"] == [], r
 
 
-def _update_equals_a_plain_loop(rank, world_size, tiny_model, algos):
-    for algo in algos:
-        _one_update_equals_a_plain_loop(tiny_model, algo)
-    return len(algos)
+def test_micro_batch_gradients_add_up_to_the_minibatch_gradient_in_float64(update_runs):
+    """The trainer's gradient accumulated over micro-batches of 3 rows (k3 KL in the
+    loss, importance weights) against one backward over the whole minibatch, both in
+    float64, compared before the optimizer (what AdamW receives, after the clip).
+
+    The two differ only by the order of floating-point sums. A reordered sum of n
+    terms moves by at most about 2 n u sum|x_i| (Higham, Accuracy and Stability of
+    Numerical Algorithms, 4.2), u = 2^-53 in float64. Here n = the minibatch's
+    positions x the widest layer (the longest reduction of the backward, 10,240),
+    and each parameter's largest gradient entry max|g| stands for sum|x_i|:
+    tolerance 2 n u max|g| = 2.3e-12 max|g|, per parameter (measured: the largest
+    difference is ~2e-4 of it). The negative control - each micro-batch normalised
+    by its own token count instead of the minibatch's, a real accumulation defect -
+    is off by ~1e11 times the tolerance."""
+    r = update_runs["float64"]
+    print(f"float64 micro-batches: bound {r['bound_rel']:.3g} x max|g|, largest diff / bound {r['diff_over_bound']:.3g}, "
+          f"defect / bound {r['defect_over_bound']:.3g}")
+    assert r["max_abs_grad"] > 1e-3  # a real gradient, not zeros
+    assert r["bound_rel"] < 1e-11, r["bound_rel"]
+    assert r["differing"] == [], r["differing"]
+    assert r["defect_over_bound"] > 1e3, r["defect_over_bound"]
 
 
-def _one_update_equals_a_plain_loop(tiny_model, algo):
+def _update_runs(rank, world_size, tiny_model, algos, micro):
+    return {"float32": [_float32_update_equals_a_plain_loop(tiny_model, algo) for algo in algos],
+            "float64": _float64_micro_batches_equal_the_minibatch(tiny_model, micro)}
+
+
+def _chunks(index, size):
+    size = size or len(index)
+    return [index[i:i + size] for i in range(0, len(index), size)]
+
+
+def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chunk=False):
+    """The update of `PolicyWorker.train` written out with the module's formulas on a
+    plain model: scoring in chunks of ``micro`` rows, then per minibatch the
+    micro-batches' gradients accumulated by backward, clipped, one AdamW step.
+    Returns the model and the gradients AdamW received at each step."""
     from transformers import AutoModelForCausalLM
 
-    from ray_train_tpu.rl.config import AlgorithmConfig
-    from ray_train_tpu.rl.policy import PolicyWorker
-
-    a = AlgorithmConfig(**algo)
-    worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a, temperature=0.7)
-    worker.build()
-    batch = _batch()
-    stats = worker.train(batch, step=1)
-    assert stats["updates"] == a.updates_per_batch and math.isfinite(stats["loss"])
-
-    # The plain loop runs on the same device (its kernels, not the host's: Adam
-    # turns a last-bit difference in a near-zero gradient into a visible one).
-    device = worker.device
     batch = batch.to(device)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False).to(device)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype).to(device)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype).requires_grad_(False).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    single = a.updates_per_batch == 1 and a.old_logprobs == "policy"
 
     def lp_of(m, rows):
         return token_logprobs(m(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits, rows.input_ids,
                               0.7)
 
+    every = list(range(batch.num_rows))
     with torch.no_grad():
-        old_all = batch.engine_logprobs if a.old_logprobs == "engine" else lp_of(model, batch)
-        ref_all = lp_of(ref, batch)
+        old_all = None
+        if a.old_logprobs == "engine":
+            old_all = batch.engine_logprobs
+        elif not single:
+            old_all = torch.cat([lp_of(model, batch.rows(c)) for c in _chunks(every, micro)])
+        ref_all = torch.cat([lp_of(ref, batch.rows(c)) for c in _chunks(every, micro)]) if a.kl_coef else None
+    grads = []
     for epoch in range(a.ppo_epochs):
         for parts in minibatches(batch.num_rows, 1, a.num_minibatches, seed=3 * 7919 + 1, epoch=epoch):
             idx = parts[0]
-            rows = batch.rows(idx)
-            lp = lp_of(model, rows)
-            old = old_all[idx]
-            w = importance_weights(old, rows.engine_logprobs, a.importance_cap) if a.old_logprobs == "policy" else None
-            loss, _ = policy_loss(lp, old, rows.advantages, rows.loss_mask, num_tokens=int(rows.loss_mask.sum()),
-                                  num_seqs=len(idx), clip_low=a.clip_eps, clip_high=a.clip_high, loss_agg=a.loss_agg,
-                                  weights=w, ref_logprobs=ref_all[idx] if a.kl_coef else None, kl_coef=a.kl_coef,
-                                  kl_estimator=a.kl_estimator)
             opt.zero_grad()
-            loss.backward()
+            for c in _chunks(idx, micro):
+                rows = batch.rows(c)
+                lp = lp_of(model, rows)
+                old = lp.detach() if single else old_all[c]
+                w = importance_weights(old, rows.engine_logprobs, a.importance_cap) if a.old_logprobs == "policy" \
+                    else None
+                n_tok = int(rows.loss_mask.sum()) if normalise_per_chunk else int(batch.loss_mask[idx].sum())
+                n_seq = len(c) if normalise_per_chunk else len(idx)
+                loss, _ = policy_loss(lp, old, rows.advantages, rows.loss_mask, num_tokens=n_tok, num_seqs=n_seq,
+                                      clip_low=a.clip_eps, clip_high=a.clip_high, loss_agg=a.loss_agg, weights=w,
+                                      ref_logprobs=ref_all[c] if a.kl_coef else None, kl_coef=a.kl_coef,
+                                      kl_estimator=a.kl_estimator)
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
             opt.step()
-    ours = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in worker.model.named_parameters()}
-    for name, p in model.named_parameters():
-        # Bitwise, except where micro-batches sum the gradient in another order.
-        atol = 1e-5 if algo.get("micro_batch_size") else 0.0
-        assert torch.allclose(ours[name].detach().cpu(), p.detach().cpu(), rtol=0.0, atol=atol), (algo, name)
+    return model, grads
+
+
+def _worker(tiny_model, a, dtype="float32"):
+    from ray_train_tpu.rl.policy import PolicyWorker
+
+    worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a, temperature=0.7, param_dtype=dtype)
+    worker.build()
+    grads, names = [], {id(p): n for n, p in worker.model.named_parameters()}
+
+    def record(opt, args, kwargs):  # what AdamW receives, after the clip
+        grads.append({names[id(p)]: _full(p.grad).detach().cpu().clone() for group in opt.param_groups
+                      for p in group["params"]})
+
+    worker.optimizer.register_step_pre_hook(record)
+    return worker, grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _float32_update_equals_a_plain_loop(tiny_model, algo):
+    a = AlgorithmConfig(**algo)
+    worker, _ = _worker(tiny_model, a)
+    stats = worker.train(_batch(), step=1)
+    model, _ = _plain_loop(tiny_model, a, _batch(), worker.device, dtype=torch.float32, micro=a.micro_batch_size)
+    ours = {n: _full(p).detach().cpu() for n, p in worker.model.named_parameters()}
+    differing = [n for n, p in model.named_parameters() if not torch.equal(ours[n], p.detach().cpu())]
+    return {"algo": algo, "updates": stats["updates"], "loss": stats["loss"], "differing": differing}
+
+
+def _float64_micro_batches_equal_the_minibatch(tiny_model, algo):
+    from transformers import AutoConfig
+
+    a = AlgorithmConfig(**algo)
+    worker, got = _worker(tiny_model, a, dtype="float64")
+    worker.train(_batch(), step=1)
+    (got,) = got
+    _, (want,) = _plain_loop(tiny_model, a, _batch(), worker.device, dtype=torch.float64, micro=None)
+    _, (bad,) = _plain_loop(tiny_model, a, _batch(), worker.device, dtype=torch.float64, micro=a.micro_batch_size,
+                            normalise_per_chunk=True)
+    cfg = AutoConfig.from_pretrained(tiny_model)
+    n = _batch().input_ids.numel() * max(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+    rel = 2 * n * torch.finfo(torch.float64).eps / 2
+    differing, defect, worst = [], 0.0, 0.0
+    for name, g in want.items():
+        bound = rel * g.abs().max().item()
+        diff = (got[name] - g).abs().max().item()
+        if diff > bound:
+            differing.append((name, diff, bound))
+        if bound > 0:
+            worst = max(worst, diff / bound)
+            defect = max(defect, (bad[name] - g).abs().max().item() / bound)
+    return {"differing": differing, "bound_rel": rel, "defect_over_bound": defect, "diff_over_bound": worst,
+            "max_abs_grad": max(g.abs().max().item() for g in want.values())}
 
 
 def test_kl_in_the_reward_is_scored_before_the_update_and_reused(tiny_model):

@@ -5,12 +5,25 @@ each rank on its data-parallel shard of one global batch, and must end with the
 same full parameters (gathered with ``get_model_state_dict(full_state_dict=True)``)
 as one process trained on the whole batch.
 
-Tolerance: ``atol=1e-6, rtol=1e-5``. Both sides compute in float32; only the
-order of additions differs (gradients summed across ranks and then divided,
-matmuls split over tensor-parallel shards), which moves results by a few ulp
-per step (float32 eps is 1.2e-7). TPU_FACTS measured ~1e-8 for this kind of
-model; the bound leaves two orders of magnitude of room, and the negative
-controls below (no gradient averaging, another seed) are off by > 1e-3.
+Tolerance: ``atol=1e-6, rtol=1e-5``. Only the order of additions differs
+(gradients summed across ranks and then divided, matmuls split over
+tensor-parallel shards), which moves results by a few ulp per step.
+
+- SGD runs in float32: a step moves a weight by ``lr * grad``, so a gradient that
+  differs in its last bits (float32 eps is 1.2e-7) moves the weight by ``lr`` times
+  that; TPU_FACTS measured ~1e-8 for this kind of model, two orders of magnitude
+  inside the bound.
+- AdamW runs in float64. Its update ``lr * m / (sqrt(v) + eps_adam)`` divides by the
+  gradient's own size, so a last-bit difference in a gradient near zero becomes a
+  difference of up to ``lr * dg / eps_adam`` (= 1e6 dg here) in the weight: in
+  float32 no fixed tolerance is safe on every CPU (a summation order that rounds
+  a near-zero gradient the other way moves a weight by ~1e-5). In float64 a
+  reordered sum of n terms moves a gradient by at most ~2 n u max|g| (u = 2^-53;
+  n = GLOBAL_BATCH x the widest layer = 512, max|g| < 1 here): 1.1e-13, times the
+  amplification 1e6 and `STEPS` steps: 6e-7 < ``ATOL``, and measured differences
+  are ~1e-16.
+
+The negative controls below (no gradient averaging, another seed) are off by > 1e-3.
 
 bf16 mixed precision (``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``; float32 master weights) is looser: bfloat16 keeps 8
@@ -60,18 +73,22 @@ ATOL, RTOL = 1e-6, 1e-5
 BF16_ATOL = 5e-3
 BF16_ADAMW_UPDATE_RTOL = 0.1
 OPTIMIZERS = ("sgd", "adamw")
+# AdamW amplifies last-bit gradient differences (module doc): it trains in float64.
+DTYPES = {"sgd": torch.float32, "adamw": torch.float64}
 PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
 V4_2x2x2 = Topology.parse("2x2x2", "TPU-V4")
 
 
-def mlp(seed: int = SEED) -> nn.Module:
+def mlp(seed: int = SEED, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model.to(dtype)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+    x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+    return x.to(dtype), y.to(dtype)
 
 
 def optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -81,12 +98,12 @@ def optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, opt_name: str, num_replicas: int = 1, rank: int = 0,
-          device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+          device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """`STEPS` steps, each on shard `rank` of `num_replicas` of the global batch."""
     opt = optimizer(opt_name, model.parameters())
     for step in range(STEPS):
-        x, y = (t.chunk(num_replicas)[rank].to(device) for t in batch(step))
-        loss = F.mse_loss(model(x).float(), y)
+        x, y = (t.chunk(num_replicas)[rank].to(device) for t in batch(step, dtype))
+        loss = F.mse_loss(model(x).to(dtype), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -94,14 +111,14 @@ def train(model: nn.Module, opt_name: str, num_replicas: int = 1, rank: int = 0,
 
 
 def reference(opt_name: str, seed: int = SEED) -> dict[str, torch.Tensor]:
-    model = mlp(seed)
-    train(model, opt_name)
+    model = mlp(seed, DTYPES[opt_name])
+    train(model, opt_name, dtype=DTYPES[opt_name])
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 # Worker side (runs in spawned ranks) -------------------------------------------------
@@ -181,21 +198,23 @@ def _train_case(rank: int, world_size: int, case: str) -> dict:
     if case == "no_grad_avg":  # negative control: each rank trains alone on its shard
         out = {}
         for opt_name in OPTIMIZERS:
-            model = mlp()
-            train(model, opt_name, world_size, rank)
+            model = mlp(dtype=DTYPES[opt_name])
+            train(model, opt_name, world_size, rank, dtype=DTYPES[opt_name])
             out[opt_name] = {"state": model.state_dict() if rank == 0 else None, "meta": {}}
         return out
     strategy, num_slices = _strategy(case, world_size)
     device = get_device()
     assert device.type == "tpu"  # the simulated TPU device: host tensors must be moved to it
     strategy.setup(device, world_size, None, num_slices)
-    return {opt_name: _train_one(rank, strategy, opt_name, device) for opt_name in OPTIMIZERS}
+    # bf16 mixed precision keeps float32 masters (its bounds below are bf16's, not AdamW's).
+    dtypes = {opt_name: torch.float32 for opt_name in OPTIMIZERS} if case == "fsdp2_bf16" else DTYPES
+    return {opt_name: _train_one(rank, strategy, opt_name, device, dtypes[opt_name]) for opt_name in OPTIMIZERS}
 
 
-def _train_one(rank: int, strategy: Strategy, opt_name: str, device: torch.device) -> dict:
-    model = strategy.parallelize(mlp(), device)
+def _train_one(rank: int, strategy: Strategy, opt_name: str, device: torch.device, dtype: torch.dtype) -> dict:
+    model = strategy.parallelize(mlp(dtype=dtype), device)
     kw = strategy.distributed_sampler_kwargs
-    opt = train(model, opt_name, kw["num_replicas"], kw["rank"], device)
+    opt = train(model, opt_name, kw["num_replicas"], kw["rank"], device, dtype)
     weight = getattr(model, "module", model)[0].weight  # DDP wraps in .module
     meta = {
         "sampler": kw,
@@ -291,9 +310,22 @@ def test_another_seed_fails_the_tolerance(refs, opt):
     assert diff > 100 * ATOL, f"max abs diff {diff:.3g}"
 
 
+def test_adamw_bound_premise_gradients_below_one():
+    """The AdamW tolerance (module doc) assumes every gradient entry is below 1 in size."""
+    model, largest = mlp(dtype=torch.float64), 0.0
+    opt = optimizer("adamw", model.parameters())
+    for step in range(STEPS):
+        x, y = batch(step, torch.float64)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        largest = max(largest, max(p.grad.abs().max().item() for p in model.parameters()))
+        opt.step()
+    assert 1e-3 < largest < 1.0, largest
+
+
 def _update_error(state: dict, ref: dict) -> float:
     """|bf16 update - fp32 update| / |fp32 update|, over all parameters (updates from the initial weights)."""
-    init = mlp().state_dict()
+    init = mlp(dtype=torch.float64).state_dict()
     num = sum(((state[k] - ref[k]) ** 2).sum() for k in ref)
     den = sum(((ref[k] - init[k]) ** 2).sum() for k in ref)
     return (num / den).sqrt().item()
