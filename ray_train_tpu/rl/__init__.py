@@ -43,12 +43,27 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC)
 
+# Names of the first RL API (removed) and what replaces them.
+_REMOVED = {
+    "Task": "records: GRPOConfig(prompts=[{'prompt': ..., <fields>}], reward_fn=...) takes any iterable of dicts, "
+            "a Ray Dataset or a datasets.Dataset; e.g. prompts=addition_records(), reward_fn=strict_answer_reward",
+    "Prompt": "a record (a dict with a 'prompt' field, or GRPOConfig(prompt_key=...)); reward_fn(prompt, completion, "
+              "**fields) receives its other fields by name",
+    "addition_task": "addition_records() (records) with reward_fn=strict_answer_reward",
+    "chat_addition_task": "chat_addition_records() (records) with reward_fn=strict_answer_reward",
+}
+
 
 def __getattr__(name):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value
+    if name in _REMOVED:
+        # ImportError, not AttributeError: `from ray_train_tpu.rl import Task` would replace an
+        # AttributeError's message with its own "cannot import name".
+        raise ImportError(f"ray_train_tpu.rl.{name} was removed with the first RL API; use {_REMOVED[name]} "
+                          "(see docs/rl.md)", name=name)
     raise AttributeError(f"module 'ray_train_tpu.rl' has no attribute {name!r}")
 
 

@@ -71,6 +71,9 @@ class AlgorithmConfig:
             only; None: no importance weight).
         clip_eps, clip_eps_high: the ratio's clip range ``[1 - clip_eps, 1 + clip_eps_high]``
             (``clip_eps_high`` None: symmetric; > clip_eps: DAPO's clip-higher).
+        clip_ratio_c: dual-clip PPO (Ye et al., 2019; verl's default 3.0): for a
+            negative advantage the loss of a token is at most ``clip_ratio_c * |A|``,
+            however large its ratio (None: no dual clip). Must be > 1.
         loss_agg: ``"token-mean"`` or ``"seq-mean-token-mean"``.
         kl_coef: weight of KL(policy || initial policy); 0: no reference model.
         kl_estimator: ``"k1"`` or ``"k3"``.
@@ -78,6 +81,10 @@ class AlgorithmConfig:
             completion's reward, summed over its tokens, before the advantages).
         micro_batch_size: rows per forward/backward on a rank (gradients add up
             to the minibatch's); None: a rank's whole minibatch at once.
+        logprob_chunk: tokens whose logits the trainer's LM head computes at once
+            (`grpo.chunked_token_logprobs`, forward and backward): no ``[rows, T,
+            vocab]`` float32 tensor exists; None: the model's whole logits (the
+            naive path, a memory cliff at a 150k vocabulary).
     """
 
     ppo_epochs: int = 1
@@ -86,11 +93,13 @@ class AlgorithmConfig:
     importance_cap: Optional[float] = 2.0
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None
+    clip_ratio_c: Optional[float] = 3.0
     loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in: str = "loss"
     micro_batch_size: Optional[int] = None
+    logprob_chunk: Optional[int] = 512
 
     def __post_init__(self):
         w = "AlgorithmConfig"
@@ -106,6 +115,11 @@ class AlgorithmConfig:
         _check_fraction(w, "clip_eps", self.clip_eps, fix="e.g. clip_eps=0.2")
         if self.clip_eps_high is not None:
             V.check_number(w, "clip_eps_high", self.clip_eps_high, max=10.0, fix="e.g. clip_eps_high=0.28 (DAPO)")
+        if self.clip_ratio_c is not None:
+            V.check_number(w, "clip_ratio_c", self.clip_ratio_c, max=1e6, fix="e.g. clip_ratio_c=3.0, or None")
+            if self.clip_ratio_c <= 1:
+                raise V.fail(w, "clip_ratio_c", self.clip_ratio_c, "> 1 (it bounds the loss of a negative-advantage "
+                             "token at clip_ratio_c * |A|)", "e.g. clip_ratio_c=3.0 (verl's), or None for no dual clip")
         V.check_choice(w, "loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
         V.check_number(w, "kl_coef", self.kl_coef, positive=False, max=100.0, fix="e.g. kl_coef=0.001, or 0")
         V.check_choice(w, "kl_estimator", self.kl_estimator, KL_ESTIMATORS,
@@ -113,6 +127,9 @@ class AlgorithmConfig:
         V.check_choice(w, "kl_in", self.kl_in, KL_IN, fix="'loss' adds it to the loss, 'reward' to the rewards")
         if self.micro_batch_size is not None:
             V.check_int(w, "micro_batch_size", self.micro_batch_size, min=1, fix="e.g. micro_batch_size=8, or None")
+        if self.logprob_chunk is not None:
+            V.check_int(w, "logprob_chunk", self.logprob_chunk, min=1, fix="e.g. logprob_chunk=512, or None for the "
+                        "model's whole logits")
 
     @property
     def updates_per_batch(self) -> int:

@@ -26,10 +26,37 @@ from ray_train_tpu.rl.config import AlgorithmConfig
 
 logger = logging.getLogger(__name__)
 
+# What `PolicyWorker.train` reports, summed over ranks (`grpo.ADDITIVE_STATS` between loss and the last two).
+_SUMMED = ("loss", "pg_loss", "kl", "clipfrac", "clipfrac_low", "clipfrac_high", "clipfrac_dual", "ratio_mean",
+           "approx_kl", "logprob_gap", "importance_weight")
+
 
 def _local(param):
     """This rank's part of a parameter (FSDP2 holds DTensors sharded on dim 0)."""
     return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _logprob_forward(head, input_ids, temperature: float, chunk: int):
+    """A forward for a causal LM's output head (an ``nn.Linear``), set on the module
+    for one model forward: it returns the token log-probs of ``input_ids`` [B, T]
+    (`grpo.chunked_token_logprobs`) instead of [B, T, V] logits. The module and its
+    hooks stay in place (FSDP2 follows which modules ran), only ``forward`` changes."""
+    from ray_train_tpu.rl.grpo import chunked_token_logprobs
+
+    def forward(hidden):
+        return chunked_token_logprobs(hidden, head.weight, input_ids, temperature, bias=head.bias, chunk_size=chunk)
+
+    return forward
+
+
+def _output_head(model):
+    """(attribute name, module) of the model's LM head if it is a plain ``nn.Linear`` child, else None."""
+    import torch
+
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(out) is not torch.nn.Linear:
+        return None
+    return next(((name, child) for name, child in model.named_children() if child is out), None)
 
 
 def _chunks(index, size: Optional[int]):
@@ -54,6 +81,7 @@ class PolicyWorker:
         self.model = self.reference = self.optimizer = None
         self._cache: dict = {}  # step -> (old log-probs, reference log-probs) of this rank's rows
         self._published: Optional[tuple] = None  # (rank, [bucket ObjectRefs])
+        self._heads: dict = {}  # id(model) -> (name, LM head) where the chunked log-prob head is used
 
     # --- set-up
 
@@ -65,6 +93,7 @@ class PolicyWorker:
         from ray_train_tpu.strategies.fsdp2 import FSDP2Strategy
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.param_dtype))
+        chunked = bool(self.algorithm.logprob_chunk) and self._chunked_head_matches(model)
         # One fully_shard per decoder layer (Hugging Face names them in _no_split_modules), then the root.
         names = set(getattr(model, "_no_split_modules", None) or [])
         layers = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
@@ -72,6 +101,8 @@ class PolicyWorker:
         model.train(trainable)
         if not trainable:
             model.requires_grad_(False)
+        if chunked:
+            self._heads[id(model)] = _output_head(model)
         return model
 
     def build(self) -> dict:
@@ -93,11 +124,44 @@ class PolicyWorker:
 
     # --- log-probs
 
-    def _logprobs(self, model, rows):
+    def _logprobs(self, model, rows, head=None):
         from ray_train_tpu.rl.grpo import token_logprobs
 
-        logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
-        return token_logprobs(logits, rows.input_ids, self.temperature)
+        head = head or self._heads.get(id(model))
+        if head is None:
+            logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
+            return token_logprobs(logits, rows.input_ids, self.temperature)
+        module = head[1]
+        module.forward = _logprob_forward(module, rows.input_ids, self.temperature, self.algorithm.logprob_chunk)
+        try:
+            return model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
+        finally:
+            del module.forward  # back to the class's
+
+    def _chunked_head_matches(self, model) -> bool:
+        """Whether ``model`` (on the host, before sharding) returns exactly what its
+        head computes, so that the chunked log-prob head may stand in for it (checked
+        on one short sequence; a model that post-processes its logits, e.g. with a
+        soft cap, keeps the naive path)."""
+        import torch
+
+        from ray_train_tpu.rl.grpo import Batch
+
+        head = _output_head(model)
+        if head is None:
+            logger.warning("the model's output head is not an nn.Linear child: log-probs from its whole logits")
+            return False
+        ids = (torch.arange(16) * 7919 % head[1].weight.shape[0]).reshape(1, 16)
+        zeros = torch.zeros(1, 16)
+        rows = Batch(ids, torch.ones_like(ids), zeros, torch.zeros(1), zeros)
+        with torch.no_grad():
+            naive = self._logprobs(model, rows)
+            chunked = self._logprobs(model, rows, head=head)
+        if torch.allclose(naive, chunked, rtol=1e-4, atol=1e-4):
+            return True
+        logger.warning("the model's logits are not its head's output (max difference %.3g): log-probs from its whole "
+                       "logits", (naive - chunked).abs().max().item())
+        return False
 
     def _score_rows(self, local, need_old: bool, need_ref: bool):
         """Old and reference log-probs of this rank's rows (no gradient), in micro-batches."""
@@ -152,29 +216,52 @@ class PolicyWorker:
         if a.kl_in == "reward":
             ref = None  # KL went into the rewards
         host_mask = batch.loss_mask
-        totals = []
+        totals, extremes = [], []
         for epoch in range(a.ppo_epochs):
             for parts in minibatches(batch.num_rows, self.world_size, a.num_minibatches, seed=self.seed * 7919 + step,
                                      epoch=epoch):
                 every = [row for rank_rows in parts for row in rank_rows]
                 counts = (int(host_mask[every].sum().item()), int((host_mask[every].sum(dim=1) > 0).sum().item()))
                 mine = [(row - self.rank) // self.world_size for row in parts[self.rank]]
-                totals.append(self._update(local, mine, old, ref, counts, single, importance_weights))
-        stats = torch.stack(totals).mean(dim=0)
-        torch.distributed.all_reduce(stats[:-1])  # every rank's share of each minibatch; grad norm is global
-        names = ("loss", "pg_loss", "kl", "clipfrac", "logprob_gap", "importance_weight", "grad_norm")
-        return {**dict(zip(names, stats.cpu().tolist())), "updates": len(totals)}
+                total, extreme = self._update(local, mine, old, ref, counts, single, importance_weights)
+                totals.append(total)
+                extremes.append(extreme)
+        return self._statistics(torch.stack(totals), torch.stack(extremes), a.ppo_epochs)
+
+    def _statistics(self, totals, extremes, epochs: int) -> dict:
+        """The batch's statistics from each update's (``totals``: this rank's shares of
+        the minibatch means, then the global grad norm; ``extremes``: the smallest
+        ratio and minus the largest): their means over all updates, and per PPO epoch
+        (``"epochs"``: one dict per epoch, as verl logs each mini-batch's)."""
+        import torch
+        import torch.distributed as dist
+
+        shares = totals[:, :-1].contiguous()
+        dist.all_reduce(shares)  # every rank's share of each minibatch; grad norm is global already
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+        totals = torch.cat([shares, totals[:, -1:]], dim=1)
+
+        def summary(t, e) -> dict:
+            out = dict(zip(_SUMMED + ("grad_norm",), t.mean(dim=0).cpu().tolist()))
+            low, minus_high = e.min(dim=0).values.cpu().tolist()
+            return {**out, "ratio_min": low, "ratio_max": -minus_high}
+
+        per = totals.shape[0] // epochs
+        return {**summary(totals, extremes), "updates": int(totals.shape[0]),
+                "epochs": [summary(totals[k * per:(k + 1) * per], extremes[k * per:(k + 1) * per])
+                           for k in range(epochs)]}
 
     def _update(self, local, mine: list, old, ref, counts: tuple, single: bool, importance_weights):
         """One optimizer step over this rank's rows ``mine`` of a minibatch."""
         import torch
 
-        from ray_train_tpu.rl.grpo import aggregate, policy_loss
+        from ray_train_tpu.rl.grpo import ADDITIVE_STATS, aggregate, policy_loss
 
         a, w = self.algorithm, self.world_size
         num_tokens, num_seqs = counts
         self.optimizer.zero_grad(set_to_none=True)
-        acc = torch.zeros(6, device=self.device)
+        acc = torch.zeros(len(_SUMMED), device=self.device)
+        extreme = torch.full((2,), float("inf"), device=self.device)  # min ratio, -max ratio
         for idx in _chunks(mine, a.micro_batch_size):
             rows = local.rows(idx)
             lp = self._logprobs(self.model, rows)
@@ -184,17 +271,18 @@ class PolicyWorker:
                 weights = importance_weights(old_lp, rows.engine_logprobs, a.importance_cap)
             loss, st = policy_loss(lp, old_lp, rows.advantages, rows.loss_mask, num_tokens=num_tokens,
                                    num_seqs=num_seqs, clip_low=a.clip_eps, clip_high=a.clip_high,
-                                   loss_agg=a.loss_agg, weights=weights, kl_coef=a.kl_coef,
+                                   clip_ratio_c=a.clip_ratio_c, loss_agg=a.loss_agg, weights=weights, kl_coef=a.kl_coef,
                                    ref_logprobs=None if ref is None else ref[idx], kl_estimator=a.kl_estimator)
             (loss * w).backward()
             gap = aggregate((old_lp - rows.engine_logprobs).abs(), rows.loss_mask, "token-mean", num_tokens, 1)
             iw = aggregate(weights if weights is not None else torch.ones_like(lp), rows.loss_mask, "token-mean",
                            num_tokens, 1)
-            acc += torch.stack([loss.detach(), st["pg_loss"], st["kl"], st["clipfrac"], gap, iw])
+            acc += torch.stack([loss.detach(), *(st[k] for k in ADDITIVE_STATS), gap, iw])
+            extreme = torch.minimum(extreme, torch.stack([st["ratio_min"], -st["ratio_max"]]))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
-        return torch.cat([acc, grad_norm.detach().reshape(1).to(acc.dtype)])
+        return torch.cat([acc, grad_norm.detach().reshape(1).to(acc.dtype)]), extreme
 
     # --- weights
 

@@ -3,6 +3,7 @@ loop against a plain one-process loop of the same formulas."""
 
 import doctest
 import math
+import re
 
 import pytest
 import torch
@@ -23,11 +24,24 @@ def test_group_advantages_are_zero_mean_unit_std_per_group():
     r = torch.tensor([[1.0, 0.0, 0.2, 0.2], [0.0, 0.0, 0.0, 1.0]])
     a = group_advantages(r)
     assert torch.allclose(a.mean(dim=1), torch.zeros(2), atol=1e-6)
-    assert torch.allclose(a.std(dim=1, unbiased=False), torch.ones(2), atol=1e-3)
+    assert torch.allclose(a.std(dim=1, unbiased=True), torch.ones(2), atol=1e-5)
     assert a[0, 0] > a[0, 2] > a[0, 1]
     assert torch.equal(group_advantages(torch.full((1, 4), 0.2)), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="samples_per_prompt"):
         group_advantages(torch.ones(4))
+    with pytest.raises(ValueError, match="std='bessel'"):
+        group_advantages(r, std="bessel")
+
+
+def test_group_advantages_by_hand_sample_population_and_no_std():
+    # rewards 1, 0, 0, 1: mean 1/2, deviations +-1/2; sum of squares 1.
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    sample, population = math.sqrt(1 / 3), math.sqrt(1 / 4)  # verl / TRL: torch.std (Bessel); the old: 1/G
+    assert group_advantages(r)[0].tolist() == pytest.approx([0.5 / (sample + 1e-6) * s for s in (1, -1, -1, 1)],
+                                                            abs=1e-12)
+    assert group_advantages(r, std="population")[0, 0].item() == pytest.approx(0.5 / (population + 1e-6), abs=1e-12)
+    assert group_advantages(r, std="none")[0].tolist() == [0.5, -0.5, -0.5, 0.5]  # Dr. GRPO: centred only
+    assert group_advantages(r, eps=1e-4)[0, 0].item() == pytest.approx(0.5 / (sample + 1e-4), abs=1e-12)  # TRL's eps
 
 
 def test_build_batch_masks_only_completion_tokens_and_pads_to_a_multiple():
@@ -54,6 +68,65 @@ def test_token_logprobs_use_the_sampling_temperature():
     assert token_logprobs(logits, ids)[0, 0] == 0
 
 
+def _head(dtype, rows=3, width=17, hidden=16, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, width, hidden, generator=g, dtype=dtype)
+    w, b = torch.randn(vocab, hidden, generator=g, dtype=dtype) / 4, torch.randn(vocab, generator=g, dtype=dtype)
+    return h, w, b, torch.randint(0, vocab, (rows, width), generator=g)
+
+
+def test_chunked_token_logprobs_equal_the_full_logits_path_to_1e_6():
+    """float32 values: chunks of 7 tokens (not dividing the 3 x 16 positions) against
+    log_softmax of the whole [B, T, V] logits."""
+    h, w, b, ids = _head(torch.float32)
+    full = token_logprobs(h @ w.T + b, ids, 0.7)
+    for chunk in (7, 48, 1000):
+        got = grpo.chunked_token_logprobs(h, w, ids, 0.7, bias=b, chunk_size=chunk)
+        assert got.dtype == torch.float32 and got.shape == full.shape and (got[:, 0] == 0).all()
+        assert (got - full).abs().max().item() < 1e-6, chunk
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        grpo.chunked_token_logprobs(h, w, ids, chunk_size=0)
+
+
+def test_chunked_token_logprobs_backward_equals_autograd_of_the_full_path_in_float64():
+    """The hand-written backward (recomputing each chunk) against torch's autograd of
+    the full path, and torch.autograd.gradcheck's finite differences."""
+    h, w, b, ids = _head(torch.float64)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (h, w, b)]
+    got = torch.autograd.grad((grpo.chunked_token_logprobs(inputs[0], inputs[1], ids, 0.7, bias=inputs[2],
+                                                           chunk_size=7) * weights).sum(), inputs)
+    want = torch.autograd.grad((token_logprobs(inputs[0] @ inputs[1].T + inputs[2], ids, 0.7) * weights).sum(),
+                               inputs)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() <= 1e-12 * max(1.0, y.abs().max().item())
+    small = [t[..., :5].clone().requires_grad_() if i != 2 else t[:11].clone().requires_grad_()
+             for i, t in enumerate((h[:2, :4, :5], w[:11, :5], b))]
+    assert torch.autograd.gradcheck(lambda hh, ww, bb: grpo.chunked_token_logprobs(
+        hh, ww, ids[:2, :4] % 11, 1.3, bias=bb, chunk_size=2), small)
+
+
+def test_removed_v1_names_say_what_replaces_them():
+    import ray_train_tpu.rl as rl
+
+    for name, replacement in (("Task", "GRPOConfig(prompts="), ("Prompt", "a record"),
+                              ("addition_task", "addition_records()")):
+        with pytest.raises(ImportError, match=rf"ray_train_tpu.rl.{name} was removed.*{re.escape(replacement)}"):
+            exec(f"from ray_train_tpu.rl import {name}")
+    with pytest.raises(ImportError, match="removed"):
+        rl.Task
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        rl.Nothing
+
+
+def test_algorithm_config_numeric_fields_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"AlgorithmConfig\(clip_ratio_c=1.0\) must be > 1.*clip_ratio_c=3.0"):
+        AlgorithmConfig(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match=r"AlgorithmConfig\(logprob_chunk=0\)"):
+        AlgorithmConfig(logprob_chunk=0)
+    assert AlgorithmConfig().clip_ratio_c == 3.0 and AlgorithmConfig(clip_ratio_c=None).clip_ratio_c is None
+
+
 def _one_token(lp, old, adv, **kw):
     """policy_loss of one row whose only completion token has log-probs lp (old: old)."""
     return policy_loss(torch.tensor([[0.0, lp]]), torch.tensor([[0.0, old]]), torch.tensor([adv]),
@@ -61,6 +134,7 @@ def _one_token(lp, old, adv, **kw):
 
 
 @pytest.mark.parametrize("ratio, adv, clip_high, loss, clipped", [
+    (4.0, -1.0, None, 3.0, 0.0),      # dual clip: min(max(4, 0.8) = 4, clip_ratio_c = 3) = 3
     (1.5, 1.0, None, -1.2, 1.0),      # min(1.5, 1.2) = 1.2: clipped above
     (1.5, -1.0, None, 1.5, 0.0),      # min(-1.5, -1.2) = -1.5: a bad sample's ratio is not clipped
     (0.5, -1.0, None, 0.8, 1.0),      # min(-0.5, -0.8) = -0.8: clipped below
@@ -87,6 +161,49 @@ def test_token_mean_and_sequence_mean_by_hand():
         aggregate(lp, mask, "seq-sum", 4, 2)
 
 
+@pytest.mark.parametrize("log_ratio, adv, c, loss, low, high, dual", [
+    # A < 0, ratio 4 > c = 3: the loss is bounded at 3 |A| (verl's pg_clipfrac_lower counts it)
+    (math.log(4.0), -1.0, 3.0, 3.0, 0.0, 0.0, 1.0),
+    (math.log(4.0), -2.0, 3.0, 6.0, 0.0, 0.0, 1.0),
+    (math.log(4.0), -1.0, None, 4.0, 0.0, 0.0, 0.0),      # no dual clip: the ratio's own 4
+    (math.log(2.5), -1.0, 3.0, 2.5, 0.0, 0.0, 0.0),       # below c: untouched
+    (math.log(4.0), 1.0, 3.0, -1.2, 0.0, 1.0, 0.0),       # A > 0: the ordinary clip at 1 + 0.2, high side
+    (math.log(0.5), -1.0, 3.0, 0.8, 1.0, 0.0, 0.0),       # A < 0, ratio below 1 - 0.2: low side
+    # log-ratio 30 is clamped to 20 (verl): without the dual clip the loss is e^20, not e^30
+    (30.0, -1.0, None, math.exp(20.0), 0.0, 0.0, 0.0),
+    (30.0, -1.0, 3.0, 3.0, 0.0, 0.0, 1.0),
+])
+def test_dual_clip_log_ratio_clamp_and_clip_sides_by_hand(log_ratio, adv, c, loss, low, high, dual):
+    got, st = _one_token(log_ratio, 0.0, adv, clip_low=0.2, clip_ratio_c=c)
+    assert got.item() == pytest.approx(loss, rel=1e-6)
+    assert (st["clipfrac_low"].item(), st["clipfrac_high"].item(), st["clipfrac_dual"].item()) == (low, high, dual)
+    assert st["clipfrac"].item() == low + high  # verl's pg_clipfrac: either side
+
+
+def test_dual_clip_and_clamp_stop_the_gradient_by_hand():
+    # Bounded tokens carry no gradient: dual-clipped (A < 0, ratio 4 > 3), log-ratio past 20.
+    for lp0, adv, c in ((math.log(4.0), -1.0, 3.0), (30.0, -1.0, None), (math.log(2.5), -1.0, 3.0)):
+        lp = torch.tensor([[0.0, lp0]], requires_grad=True)
+        loss, _ = policy_loss(lp, torch.zeros(1, 2), torch.tensor([adv]), torch.tensor([[0.0, 1.0]]), num_tokens=1,
+                              clip_ratio_c=c)
+        loss.backward()
+        want = 0.0 if lp0 in (math.log(4.0), 30.0) else -adv * 2.5  # d(-A e^x)/dx = -A ratio
+        assert lp.grad[0, 1].item() == pytest.approx(want, rel=1e-6), (lp0, adv, c)
+
+
+def test_ratio_statistics_and_approx_kl_by_hand():
+    # Three completion tokens with ratios 2, 1/2, 1 (and a masked one with ratio e^5).
+    lp = torch.tensor([[0.0, math.log(2.0), math.log(0.5), 0.0, 5.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    _, st = policy_loss(lp, torch.zeros(1, 5), torch.tensor([1.0]), mask, num_tokens=3)
+    assert st["ratio_mean"].item() == pytest.approx((2 + 0.5 + 1) / 3)
+    assert (st["ratio_min"].item(), st["ratio_max"].item()) == pytest.approx((0.5, 2.0))
+    assert st["approx_kl"].item() == pytest.approx(-(math.log(2.0) + math.log(0.5)) / 3, abs=1e-7)  # mean(old - new)
+    assert st["clipfrac_high"].item() == pytest.approx(1 / 3)  # ratio 2 > 1.2 with A > 0
+    _, none = policy_loss(lp, torch.zeros(1, 5), torch.tensor([1.0]), torch.zeros(1, 5), num_tokens=0)
+    assert (none["ratio_min"].item(), none["ratio_max"].item()) == (math.inf, -math.inf)
+
+
 def test_importance_weight_is_truncated_and_scales_the_surrogate():
     w = importance_weights(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), cap=2.0)
     assert w.tolist() == pytest.approx([2.0, math.exp(-1)])  # e^1 capped at 2; e^-1
@@ -99,6 +216,11 @@ def test_kl_estimators_and_kl_as_a_loss_term_by_hand():
     assert kl_penalty(lp, ref, "k1").item() == pytest.approx(1.0)
     assert kl_penalty(lp, ref, "k3").item() == pytest.approx(math.exp(-1) + 1 - 1)
     assert kl_penalty(ref, ref, "k3").item() == 0.0
+    # verl's low_var_kl clamps: the log-ratio to [-20, 20], the estimate to [-10, 10]
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([-30.0]), "k3").item() == pytest.approx(
+        min(math.exp(-20.0) + 20.0 - 1.0, 10.0))  # 19 -> 10
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0  # e^20 - 21 -> 10
+    assert kl_penalty(torch.tensor([-2.0]), torch.tensor([0.0]), "k3").item() == pytest.approx(math.exp(2) - 3)  # inside
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_penalty(lp, ref, "k2")
     # ratio 1, A = 1, k1 = 1 at the completion token, beta 0.1: -1 + 0.1
@@ -178,9 +300,10 @@ def _batch(seed=0, rows=8):
     return build_batch(prompts, completions, adv, pad_id=0, completion_logprobs=logprobs)
 
 
-ALGOS = [
-    dict(ppo_epochs=2, num_minibatches=2, clip_eps_high=0.28),
-    dict(ppo_epochs=1, num_minibatches=2, old_logprobs="engine", loss_agg="seq-mean-token-mean"),
+ALGOS = [  # the chunked log-prob head in chunks of 7 tokens (several per micro-batch) and the naive path
+    dict(ppo_epochs=2, num_minibatches=2, clip_eps_high=0.28, logprob_chunk=7),
+    dict(ppo_epochs=1, num_minibatches=2, old_logprobs="engine", loss_agg="seq-mean-token-mean", logprob_chunk=None,
+         clip_ratio_c=None),
     dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.05, kl_estimator="k1", micro_batch_size=3),
 ]
 MICRO = dict(ppo_epochs=1, num_minibatches=1, kl_coef=0.05, kl_estimator="k3", micro_batch_size=3)
@@ -208,6 +331,27 @@ def test_policy_worker_update_equals_a_plain_loop(update_runs):
     for r in update_runs["float32"]:
         assert r["updates"] == AlgorithmConfig(**r["algo"]).updates_per_batch and math.isfinite(r["loss"])
         assert r["differing"] == [], r
+        assert r["chunked"] == bool(AlgorithmConfig(**r["algo"]).logprob_chunk)  # the head it was told to use
+
+
+def test_policy_worker_reports_verls_statistics_per_ppo_epoch(update_runs):
+    """Per PPO epoch (2 epochs x 2 minibatches): clip fractions by side, ratio
+    mean/min/max, approx KL; the first minibatch of epoch 1 starts at ratio 1."""
+    from ray_train_tpu.rl.policy import _SUMMED
+
+    assert _SUMMED[1:-2] == grpo.ADDITIVE_STATS
+    st = update_runs["float32"][0]["stats"]
+    assert len(st["epochs"]) == 2
+    for e in st["epochs"]:
+        assert set(e) >= {"clipfrac", "clipfrac_low", "clipfrac_high", "clipfrac_dual", "ratio_mean", "ratio_min",
+                          "ratio_max", "approx_kl", "loss", "grad_norm"}
+        assert 0 < e["ratio_min"] <= e["ratio_mean"] <= e["ratio_max"]
+        assert e["clipfrac"] == pytest.approx(e["clipfrac_low"] + e["clipfrac_high"], abs=1e-6)
+    # The policy moves within the batch: epoch 2's ratios leave 1 further than epoch 1's.
+    first, second = st["epochs"]
+    assert second["ratio_max"] - second["ratio_min"] > first["ratio_max"] - first["ratio_min"] > 0
+    assert st["ratio_min"] == min(first["ratio_min"], second["ratio_min"])
+    assert st["clipfrac"] == pytest.approx((first["clipfrac"] + second["clipfrac"]) / 2)
 
 
 def test_micro_batch_gradients_add_up_to_the_minibatch_gradient_in_float64(update_runs):
@@ -258,6 +402,10 @@ def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chu
     single = a.updates_per_batch == 1 and a.old_logprobs == "policy"
 
     def lp_of(m, rows):
+        if a.logprob_chunk:  # the backbone's hidden states through the LM head, in chunks
+            hidden = m.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).last_hidden_state
+            return grpo.chunked_token_logprobs(hidden, m.lm_head.weight, rows.input_ids, 0.7, bias=m.lm_head.bias,
+                                               chunk_size=a.logprob_chunk)
         return token_logprobs(m(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits, rows.input_ids,
                               0.7)
 
@@ -283,7 +431,8 @@ def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chu
                 n_tok = int(rows.loss_mask.sum()) if normalise_per_chunk else int(batch.loss_mask[idx].sum())
                 n_seq = len(c) if normalise_per_chunk else len(idx)
                 loss, _ = policy_loss(lp, old, rows.advantages, rows.loss_mask, num_tokens=n_tok, num_seqs=n_seq,
-                                      clip_low=a.clip_eps, clip_high=a.clip_high, loss_agg=a.loss_agg, weights=w,
+                                      clip_low=a.clip_eps, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                                      loss_agg=a.loss_agg, weights=w,
                                       ref_logprobs=ref_all[c] if a.kl_coef else None, kl_coef=a.kl_coef,
                                       kl_estimator=a.kl_estimator)
                 loss.backward()
@@ -319,7 +468,8 @@ def _float32_update_equals_a_plain_loop(tiny_model, algo):
     model, _ = _plain_loop(tiny_model, a, _batch(), worker.device, dtype=torch.float32, micro=a.micro_batch_size)
     ours = {n: _full(p).detach().cpu() for n, p in worker.model.named_parameters()}
     differing = [n for n, p in model.named_parameters() if not torch.equal(ours[n], p.detach().cpu())]
-    return {"algo": algo, "updates": stats["updates"], "loss": stats["loss"], "differing": differing}
+    return {"algo": algo, "updates": stats["updates"], "loss": stats["loss"], "differing": differing,
+            "chunked": bool(worker._heads), "stats": stats}
 
 
 def _float64_micro_batches_equal_the_minibatch(tiny_model, algo):
