@@ -73,7 +73,8 @@ def _measure(path: str, width: int, hidden: int, chunk: int) -> dict:
 def _run(path: str, width: int, hidden: int, chunk: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
            "TPU_SKIP_MDS_QUERY": "1"}
-    code = (f"import json, sys; sys.path.insert(0, {os.getcwd()!r}); from benchmarks.logprob_memory import _measure; "
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import json, sys; sys.path.insert(0, {root!r}); from benchmarks.logprob_memory import _measure; "
             f"print(json.dumps(_measure({path!r}, {width}, {hidden}, {chunk})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

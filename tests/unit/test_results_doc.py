@@ -54,6 +54,15 @@ CLAIMS = {
 }
 
 
+def _logprob_row(tokens: int) -> str:
+    rows = {r["path"]: r["peak_growth_mib"] for r in _get("logprob_memory", "measurements") if r["tokens"] == tokens}
+    return "| {} | {:,.0f} MiB | {:,.0f} MiB |".format(tokens, rows["naive"], rows["chunked"])
+
+
+for _tokens in (64, 128, 256):
+    CLAIMS[f"log-probs: table row {_tokens}"] = lambda t=_tokens: _logprob_row(t)
+
+
 @pytest.mark.parametrize("claim", sorted(CLAIMS))
 def test_results_page_says_what_the_json_says(claim):
     page = (ROOT / "docs" / "results.md").read_text()
