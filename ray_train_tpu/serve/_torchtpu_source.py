@@ -23,6 +23,7 @@ import sys
 import tempfile
 import types
 import zipfile
+from typing import Callable, Optional
 
 from ray_train_tpu._compat import vllm_torchtpu as T
 
@@ -89,3 +90,100 @@ def import_executor(src: str) -> types.ModuleType:
     if src not in sys.path:
         sys.path.insert(0, src)
     return importlib.import_module(T.EXECUTOR_MODULE)
+
+
+# --- reading its source (tests): what a class defines, a function to run -------------
+
+
+def parse(src: str, relpath: str) -> "ast.Module":
+    """The parsed module ``vllm_torchtpu/<relpath>`` of `src` (`source_dir`)."""
+    import ast
+
+    with open(os.path.join(src, PACKAGE, relpath), encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=relpath)
+
+
+def class_def(tree, name: str):
+    """The ``class name`` statement of a parsed module (KeyError if it has none)."""
+    import ast
+
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise KeyError(f"no class {name} in the vllm-torchtpu source")
+
+
+def class_methods(src: str, relpath: str, name: str) -> frozenset:
+    """Names of the functions class `name` of ``vllm_torchtpu/<relpath>`` defines itself."""
+    import ast
+
+    node = class_def(parse(src, relpath), name)
+    return frozenset(n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def method_def(src: str, relpath: str, qualname: str):
+    """The ``def`` of ``Class.method`` in ``vllm_torchtpu/<relpath>``."""
+    import ast
+
+    cls, _, meth = qualname.partition(".")
+    for node in class_def(parse(src, relpath), cls).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == meth:
+            return node
+    raise KeyError(f"no method {qualname} in vllm_torchtpu/{relpath}")
+
+
+def compile_function(node, namespace: dict, *, name: Optional[str] = None) -> Callable:
+    """Its own function from a ``def`` node, run as written: decorators and
+    annotations dropped (they change no behaviour; annotations would name
+    types only its imports define). Names it reads come from `namespace`."""
+    import ast
+    import copy
+
+    fn = copy.deepcopy(node)
+    fn.decorator_list = []
+    fn.returns = None
+    for arg in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    if name:
+        fn.name = name
+    module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+    scope = dict(namespace)
+    exec(compile(module, f"<vllm_torchtpu {node.name}>", "exec"), scope)  # noqa: S102 (its own code)
+    return scope[fn.name]
+
+
+def statements_function(statements: list, params: list, result: str, namespace: dict) -> Callable:
+    """A function of `params` that runs `statements` (its own, as written) and
+    returns the expression `result` evaluated after them."""
+    import ast
+
+    body = list(statements) + [ast.Return(value=ast.parse(result, mode="eval").body)]
+    fn = ast.FunctionDef(name="_its_statements", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=body, decorator_list=[], returns=None)
+    if sys.version_info >= (3, 12):
+        fn.type_params = []
+    return compile_function(fn, namespace)
+
+
+class StubModule(types.ModuleType):
+    """A module whose every attribute is its own name (a string): what its code
+    imports from modules that need a TPU, so that which one it chose can be read."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return name
+
+
+def stub_import(real_prefixes: tuple = ()) -> Callable:
+    """An ``__import__`` that gives `StubModule` for every module not under `real_prefixes`."""
+    import builtins
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name.startswith(real_prefixes):
+            return builtins.__import__(name, globals, locals, fromlist, level)
+        return StubModule(name)
+
+    return _import
