@@ -59,7 +59,7 @@ def validate_request(params) -> None:
 # --- the executor
 
 MULTIHOST_BACKEND_ENV = "TPU_MULTIHOST_BACKEND"
-MULTIHOST_BACKENDS = ("", "ray", "mp")  # its envs.py: env_with_choices("TPU_MULTIHOST_BACKEND", "", ["ray", "mp"])
+MULTIHOST_BACKENDS = ("ray", "mp")  # its envs.py: env_with_choices("TPU_MULTIHOST_BACKEND", "", ["ray", "mp"])
 UNIPROC = "uni"
 MULTIPROC = "TpuMultiprocExecutor"
 RAY_V2 = "RayDistributedExecutorV2"
@@ -69,11 +69,15 @@ SIMULATED_EXECUTOR = {UNIPROC: "uni", MULTIPROC: "mp", RAY_V2: "ray"}
 
 
 def multihost_backend(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``TPU_MULTIHOST_BACKEND`` as vllm-torchtpu reads it (ValueError for another value)."""
-    value = (os.environ if environ is None else environ).get(MULTIHOST_BACKEND_ENV, "")
+    """``TPU_MULTIHOST_BACKEND`` as vllm-torchtpu reads it: ``""`` when unset,
+    ValueError for a value but "ray" and "mp" (an empty one included)."""
+    value = (os.environ if environ is None else environ).get(MULTIHOST_BACKEND_ENV)
+    if value is None:
+        return ""
     if value not in MULTIHOST_BACKENDS:
         raise ValueError(f"{MULTIHOST_BACKEND_ENV}={value!r}: vllm-torchtpu {VERSION} accepts "
-                         f"{', '.join(repr(v) for v in MULTIHOST_BACKENDS)}; use 'ray' for an engine across hosts")
+                         f"{' or '.join(repr(v) for v in MULTIHOST_BACKENDS)}, or no value; use 'ray' for an engine "
+                         "whose workers are Ray actors (across hosts)")
     return value
 
 
@@ -86,7 +90,7 @@ def torchtpu_executor(backend: str, use_ray_v2: bool, parallel) -> str:
     pcp = getattr(parallel, "prefill_context_parallel_size", 1) or 1
     if backend != "ray" and parallel.nnodes > 1:
         return MULTIPROC
-    if backend in ("mp", ""):
+    if backend == "mp" or not backend:
         if (pcp <= 1 and parallel.data_parallel_size == 1 and parallel.pipeline_parallel_size == 1
                 and parallel.tensor_parallel_size == 1):
             return UNIPROC

@@ -32,13 +32,17 @@ PYTHON_VERSION = "3.12"  # the only one it is built for
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ray_train_tpu", "wheels")
 
 
-def source_dir(cache_dir: str | None = None, timeout_s: float = 300.0) -> str:
+def source_dir(cache_dir: str | None = None, timeout_s: float = 300.0, *, fetch: bool = True) -> str:
     """A directory holding vllm-torchtpu-core's ``vllm_torchtpu`` package at
-    the pinned version (fetched from PyPI the first time). RuntimeError, with
-    pip's own words, if it cannot be fetched."""
+    the pinned version (fetched from PyPI the first time: ``make setup`` does;
+    with ``fetch=False``, as tests call it, RuntimeError if it is not in the
+    cache yet). RuntimeError, with pip's own words, if it cannot be fetched."""
     out = os.path.join(cache_dir or CACHE_DIR, f"{T.CORE_DIST}-{T.TESTED_VLLM_TORCHTPU_VERSION}")
     if os.path.isfile(os.path.join(out, PACKAGE, "__init__.py")):
         return out
+    if not fetch:
+        raise RuntimeError(f"{T.CORE_DIST} {T.TESTED_VLLM_TORCHTPU_VERSION}'s source is not in {out}: `make setup` "
+                           "fetches it once (python -m ray_train_tpu.serve._torchtpu_source)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(out))
     try:
@@ -167,14 +171,21 @@ def statements_function(statements: list, params: list, result: str, namespace: 
     return compile_function(fn, namespace)
 
 
+class StubName(str):
+    """Something its code imports from a module that needs a TPU: its own name
+    (so that which one it chose can be read), and a call of it does nothing."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
 class StubModule(types.ModuleType):
-    """A module whose every attribute is its own name (a string): what its code
-    imports from modules that need a TPU, so that which one it chose can be read."""
+    """A module whose every attribute is a `StubName`."""
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return name
+        return StubName(name)
 
 
 def stub_import(real_prefixes: tuple = ()) -> Callable:
@@ -187,3 +198,7 @@ def stub_import(real_prefixes: tuple = ()) -> Callable:
         return StubModule(name)
 
     return _import
+
+
+if __name__ == "__main__":  # make setup: fetch it into the cache once
+    print(source_dir())
