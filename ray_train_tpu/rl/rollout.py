@@ -34,7 +34,6 @@ import time
 from typing import Optional, Sequence
 
 from ray_train_tpu import _environ
-from ray_train_tpu import constants as C
 from ray_train_tpu.device import is_simulated
 from ray_train_tpu.rl.config import SamplingConfig
 from ray_train_tpu.topology import Topology
