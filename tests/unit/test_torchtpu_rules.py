@@ -298,3 +298,29 @@ def test_engine_seeds_differ_per_engine_and_restart():
 
     seeds = {engine_seed(s, e, i) for s in (0, 7) for e in range(8) for i in range(3)}
     assert len(seeds) == 2 * 8 * 3 and all(0 <= x < 2**31 for x in seeds)
+
+
+def test_the_trainer_turns_a_batchs_raw_engine_logprobs_into_the_samplers():
+    from ray_train_tpu.rl.grpo import build_batch, token_logprobs
+    from ray_train_tpu.rl.temperature import engine_logprobs_at_temperature
+
+    torch.manual_seed(2)
+    vocab, temperature = 50, 0.7
+    embed, head = torch.nn.Embedding(vocab, 16), torch.nn.Linear(16, vocab)
+
+    def model(input_ids, attention_mask):
+        return types.SimpleNamespace(logits=head(torch.tanh(embed(input_ids))) * 4)
+
+    prompts, completions = [[3, 4, 5], [6, 7], [8]], [[9, 10], [11, 12, 13], [14]]
+    ids = build_batch(prompts, completions, [0.0] * 3, pad_id=0).input_ids
+    with torch.no_grad():
+        logits = model(ids, None).logits
+    raw = token_logprobs(logits, ids, 1.0)  # what the engine reports (raw logits; same weights)
+    batch = build_batch(prompts, completions, [0.0] * 3, pad_id=0,
+                        completion_logprobs=[raw[i, len(p):len(p) + len(c)].tolist()
+                                             for i, (p, c) in enumerate(zip(prompts, completions))])
+    out = engine_logprobs_at_temperature(model, batch, temperature, micro_batch_size=2)
+    want = token_logprobs(logits, ids, temperature) * batch.loss_mask  # the sampler's, recomputed
+    bound = 16 * torch.finfo(torch.float32).eps * (logits.abs().max().item() / temperature + 4.0)
+    torch.testing.assert_close(out.engine_logprobs, want, rtol=0, atol=bound)
+    assert engine_logprobs_at_temperature(model, batch, 1.0) is batch
