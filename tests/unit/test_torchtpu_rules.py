@@ -324,3 +324,27 @@ def test_the_trainer_turns_a_batchs_raw_engine_logprobs_into_the_samplers():
     bound = 16 * torch.finfo(torch.float32).eps * (logits.abs().max().item() / temperature + 4.0)
     torch.testing.assert_close(out.engine_logprobs, want, rtol=0, atol=bound)
     assert engine_logprobs_at_temperature(model, batch, 1.0) is batch
+
+
+def test_rl_weight_loading_path_exists_on_tpu_worker(src, vllm_importable):
+    """RL loads weights with ``worker.model_runner.get_model().load_weights`` and the
+    worker's ``model_config`` (`ray_train_tpu._compat.vllm.reload_weights`): all there on TPUWorker."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from ray_train_tpu._compat import vllm as V
+
+    get_model = S.method_def(src, WORKER, "TPUWorker.get_model")
+    assert ast.unparse(get_model.body[-1]) == "return self.model_runner.get_model()"
+    runner = S.parse(src, RUNNER)
+    assert [ast.unparse(b) for b in S.class_def(runner, "TPUModelRunner").bases] == ["GPUModelRunner"]
+    assert "from vllm.v1.worker.gpu_model_runner import GPUModelRunner" in ast.unparse(runner)
+    assert "get_model" not in S.class_methods(src, RUNNER, "TPUModelRunner")  # vLLM's own: returns self.model
+    assert "return self.model" in inspect.getsource(GPUModelRunner.get_model)
+    load = ast.unparse(S.method_def(src, RUNNER, "TPUModelRunner.load_model"))
+    assert "model_loader.load_model" in load and "self.model = model" in load  # a vLLM model: load_weights
+    assert "self.model_config = vllm_config.model_config" in inspect.getsource(WorkerBase.__init__)
+    assert "worker.model_config" in inspect.getsource(V.reload_weights)
+    assert "worker.model_runner.get_model()" in inspect.getsource(V.worker_model)
