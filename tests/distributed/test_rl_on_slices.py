@@ -162,7 +162,8 @@ def test_parity_check_catches_a_wrong_weight(quick_start):
     loop._sync(check=True)  # the trainer's weights again
 
 
-def test_rollout_engine_killed_mid_generation_costs_one_retry(quick_start):
+def test_rollout_engine_killed_mid_generation_costs_one_retry(quick_start, caplog):
+    caplog.set_level("WARNING", logger="ray_train_tpu.rl.pool")
     loop = quick_start["loop"]
     trainer_pids, engine_pid = _pids(loop.trainer.actors), _pids(loop.pool.engines)[0]
     kill_at = loop.step + 2
@@ -174,6 +175,8 @@ def test_rollout_engine_killed_mid_generation_costs_one_retry(quick_start):
         loop.hooks.clear()
     assert [m["step"] for m in history] == [start + 1, start + 2, start + 3]
     assert [m["rollout_retries"] for m in history] == [0, 1, 0]
+    # no per-request seeds on TPUs: the share is re-drawn by an engine with a new seed, and said so
+    assert [r for r in caplog.records if "re-drawn, not replayed" in r.getMessage()]
     assert loop.pool.restarts == 1 and _pids(loop.pool.engines)[0] != engine_pid
     assert _pids(loop.trainer.actors) == trainer_pids and loop.trainer_restarts == 0
     assert all(m["parity_checked"] for m in history)
