@@ -1,6 +1,7 @@
 """GRPO's formulas, each against a hand computation, and the trainer's update
 loop against a plain one-process loop of the same formulas."""
 
+import dataclasses
 import doctest
 import math
 
@@ -204,6 +205,7 @@ def _one_update_equals_a_plain_loop(tiny_model, algo):
 
     from ray_train_tpu.rl.config import AlgorithmConfig
     from ray_train_tpu.rl.policy import PolicyWorker
+    from ray_train_tpu.rl.temperature import tempered_logprobs
 
     a = AlgorithmConfig(**algo)
     worker = PolicyWorker(tiny_model, lr=1e-2, seed=3, algorithm=a, temperature=0.7)
@@ -226,6 +228,10 @@ def _one_update_equals_a_plain_loop(tiny_model, algo):
                               0.7)
 
     with torch.no_grad():
+        # engine log-probs are of the raw logits (vllm-torchtpu): the sampler's at T = 0.7 (rl.temperature)
+        batch = dataclasses.replace(batch, engine_logprobs=tempered_logprobs(
+            batch.engine_logprobs, model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, 0.7,
+            batch.loss_mask))
         old_all = batch.engine_logprobs if a.old_logprobs == "engine" else lp_of(model, batch)
         ref_all = lp_of(ref, batch)
     for epoch in range(a.ppo_epochs):
