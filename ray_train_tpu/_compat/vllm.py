@@ -3,7 +3,9 @@
 - `CpuPlatform` (``vllm.platforms.cpu``): the base of the simulated TPU platform;
   its ``check_and_update_config`` sets ``parallel_config.worker_cls`` to
   `CPU_WORKER`, which we replace.
-- `CPUWorker` (``vllm.v1.worker.cpu_worker``): the base of the simulated slice worker.
+- `CPUWorker` (``vllm.v1.worker.cpu_worker``): the base of the simulated slice
+  worker; `WorkerBase` (``vllm.v1.worker.worker_base``), the base of vllm-torchtpu's
+  ``TPUWorker``, tells which of its methods a TPU worker has.
 - `RayWorkerProc` (``vllm.v1.executor.ray_executor_v2``): the Ray actor in which
   vLLM's own Ray executor (V2, the default) and vllm-torchtpu's start each
   worker. Both read the module's ``RayWorkerProc`` when they start workers, so
@@ -47,7 +49,10 @@ USE_RAY_V2_EXECUTOR = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
 # vLLM's CompilationMode.NONE: no torch.compile (what enforce_eager=True means).
 COMPILATION_MODE_NONE = 0
 
-_LAZY = {"CpuPlatform": CPU_PLATFORM, "CPUWorker": CPU_WORKER, "RayWorkerProc": WORKER_PROC}
+WORKER_BASE = "vllm.v1.worker.worker_base.WorkerBase"
+GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+_LAZY = {"CpuPlatform": CPU_PLATFORM, "CPUWorker": CPU_WORKER, "RayWorkerProc": WORKER_PROC,
+         "WorkerBase": WORKER_BASE, "GPUWorker": GPU_WORKER}
 _ORIGINAL_WORKER_PROC: list = []
 
 
@@ -134,81 +139,46 @@ def eager_pipeline_problem(engine_kwargs: Mapping[str, Any], pipeline_parallel_s
 
 # --- rl: weight sync into rollout engines ----------------------------------------------
 #
-# Weights reach a rollout engine through vLLM's own RL weight-transfer API
-# (``LLM.start_weight_update`` / ``update_weights`` / ``finish_weight_update``,
-# ``vllm/distributed/weight_transfer``): a backend registered with
-# ``WeightTransferEngineFactory`` receives each update on every worker (TP rank)
-# and loads it with the model's ``load_weights`` between vLLM's layerwise-reload
-# bracket (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which
-# re-runs each layer's post-load processing (on the CPU backend: the repacking
-# of linear weights into oneDNN layouts). Our backend takes Ray object-store
-# references; what they hold and how they become tensors is the caller's
-# (`register_weight_transfer(receive=...)`).
+# Weights reach a rollout engine through vLLM's ``parallel_config.worker_extension_cls``
+# (``vllm/v1/worker/worker_base.py``, ``WorkerWrapperBase.init_worker``): a mixin
+# vLLM adds to *any* worker class, vLLM's CPU worker and vllm-torchtpu's
+# ``TPUWorker`` alike (vLLM's weight-transfer API, ``LLM.update_weights`` & co.,
+# lives on its GPU ``Worker`` only). Each worker (TP rank) loads the update with
+# its model's ``load_weights`` (``model_runner.get_model()``, which TPUWorker's
+# runner has too), between vLLM's layerwise-reload bracket
+# (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which re-runs
+# each layer's post-load processing (on the CPU backend: the repacking of
+# linear weights into oneDNN layouts).
 #
 # Parity reads back what the kernels compute with: a linear layer through its
 # own ``quant_method.apply(layer, I)`` (exact: W^T), embeddings without vLLM's
 # vocabulary padding, and, with tensor parallelism, which slice of each Hugging
 # Face tensor this rank holds (`tp_pieces`), from the layers' own attributes.
 
-WEIGHT_TRANSFER_BACKEND = "ray_object_store"
 LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 # One slice of a Hugging Face tensor held by a TP rank: (dim, start, length); None = all of it.
 TPSpec = Optional[tuple[int, int, int]]
 
 
-def register_weight_transfer(receive: Callable[[dict, Callable], None]) -> None:
-    """Register the ``ray_object_store`` weight-transfer backend in this process
-    (every vLLM worker process must, before its model loads). ``receive(update_info,
-    load_weights)`` gets each ``update_weights`` payload and calls
-    ``load_weights(iterable of (hf_name, tensor))`` as often as it likes."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if WEIGHT_TRANSFER_BACKEND in WeightTransferEngineFactory._registry:
-        return
-    WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, _engine_class(receive))
-
-
-def _engine_class(receive):
-    from dataclasses import dataclass, field
-
-    from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                       WeightTransferUpdateInfo)
+def reload_weights(worker, receive: Callable[[Callable], None]) -> None:
+    """Load new weights into a vLLM worker's model in place: ``receive(load_weights)``
+    calls ``load_weights(iterable of (hf_name, tensor))`` as often as it likes
+    (one bucket at a time), between vLLM's layerwise-reload bracket."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    @dataclass
-    class ObjectStoreInitInfo(WeightTransferInitInfo):
-        pass
+    model = worker_model(worker)
+    initialize_layerwise_reload(model)
+    receive(model.load_weights)
+    finalize_layerwise_reload(model, worker.model_config)
 
-    @dataclass
-    class ObjectStoreUpdateInfo(WeightTransferUpdateInfo):
-        payload: dict = field(default_factory=dict)
 
-    class ObjectStoreWeightTransfer(WeightTransferEngine):
-        init_info_cls = ObjectStoreInitInfo
-        update_info_cls = ObjectStoreUpdateInfo
-        supports_draft_weight_update = False
+def logprobs_mode(model_config) -> str:
+    """The engine's ``ModelConfig.logprobs_mode``."""
+    return model_config.logprobs_mode
 
-        def init_transfer_engine(self, init_info) -> None:
-            pass
 
-        def start_weight_update(self) -> None:
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)
-
-        def receive_weights(self, update_info) -> None:
-            receive(update_info.payload, self.model.load_weights)
-
-        def update_weights(self, update_info: dict) -> None:
-            # The base class ends with torch.accelerator.synchronize(), which
-            # has no CPU backend; our loads are synchronous copies anyway.
-            self.receive_weights(self.parse_update_info(update_info))
-
-        def shutdown(self) -> None:
-            pass
-
-    return ObjectStoreWeightTransfer
+def set_logprobs_mode(model_config, mode: str) -> None:
+    model_config.logprobs_mode = mode
 
 
 def worker_model(worker) -> "torch.nn.Module":

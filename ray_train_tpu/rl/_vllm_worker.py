@@ -1,11 +1,12 @@
 """What every vLLM worker (every TP rank) of a rollout engine runs for us.
 
-Importing this module (vLLM does, in each worker process, when it resolves
-``worker_extension_cls`` before the model loads) registers the object-store
-weight-transfer backend (`ray_train_tpu._compat.vllm.register_weight_transfer`)
-with `receive` as its loader. `WeightSyncExtension` is mixed into vLLM's
-worker; the engine calls its methods with ``LLM.collective_rpc("rl_...")``.
-All vLLM internals go through `ray_train_tpu._compat.vllm`.
+`WeightSyncExtension` is vLLM's ``worker_extension_cls`` of every rollout
+engine: vLLM mixes it into whatever worker the platform runs (vLLM's CPU
+worker in simulation, vllm-torchtpu's ``TPUWorker`` on TPUs; vLLM's
+weight-transfer API exists on its GPU worker only), and the engine calls its
+methods with ``LLM.collective_rpc("rl_...")``. Weights load with the model's
+own ``load_weights``, one bucket (shard) at a time (`receive`). All vLLM
+internals go through `ray_train_tpu._compat.vllm`.
 """
 
 from __future__ import annotations
@@ -53,9 +54,6 @@ def _fetch(refs: list) -> list:
     return ray.get(refs) if refs and isinstance(refs[0], ray.ObjectRef) else refs
 
 
-compat_vllm.register_weight_transfer(receive)
-
-
 class _RotaryCacheFilter(logging.Filter):
     """vLLM's layerwise reload warns at every update that rotary embeddings
     "failed to load weights": their cos/sin cache is computed, never in a
@@ -69,7 +67,11 @@ logging.getLogger(compat_vllm.LAYERWISE_RELOAD_LOGGER).addFilter(_RotaryCacheFil
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's Worker; ``self`` is the worker."""
+    """Mixed into vLLM's worker (any platform's); ``self`` is the worker."""
+
+    def rl_load_weights(self, payload: dict) -> None:
+        """Load the weights of ``payload`` (`receive`) into this worker's model, in place."""
+        compat_vllm.reload_weights(self, lambda load_weights: receive(payload, load_weights))
 
     def rl_place(self) -> dict:
         """This worker's rank, TP rank, host and chip (for the engine's place check)."""

@@ -7,7 +7,7 @@ import logging
 from typing import Callable, Optional
 
 from ray_train_tpu.rl.config import SamplingConfig
-from ray_train_tpu.rl.rollout import EngineLayout, RolloutEngine
+from ray_train_tpu.rl.rollout import EngineLayout, RolloutEngine, engine_seed
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class RolloutPool:
         self.max_retries, self.slice_plan = max_retries, slice_plan
         self.engines: list = []
         self.restarts = 0
+        self._incarnations: list = []  # per engine, how many times it was started
         self._weights: Optional[list] = None  # the last weights loaded (bucket refs)
         self._version = 0
         self._mailbox = None
@@ -53,6 +54,7 @@ class RolloutPool:
 
         self.mailbox_name = f"ray_train_tpu-grpo-weights-{uuid.uuid4().hex[:12]}"
         self._mailbox = ray.remote(WeightMailbox).options(name=self.mailbox_name, num_cpus=0).remote()
+        self._incarnations = [0] * self.num_engines
         self.engines = [self._new_engine(i) for i in range(self.num_engines)]
         ray.get([e.pid.remote() for e in self.engines])
 
@@ -66,9 +68,11 @@ class RolloutPool:
                                                     placement_group_bundle_index=devices[0].bundle,
                                                     placement_group_capture_child_tasks=tp > 1)
         resources = {} if tp > 1 else {"TPU": 1}  # with TP the Ray executor's workers hold the chips
+        kwargs = dict(self.engine_kwargs)
+        kwargs["seed"] = engine_seed(kwargs.get("seed", 0), index, self._incarnations[index])
         cls = ray.remote(RolloutEngine)
         return cls.options(num_cpus=1, resources=resources, scheduling_strategy=strategy, max_restarts=0).remote(
-            **self.engine_kwargs, tensor_parallel_size=tp, bundle_indices=[d.bundle for d in devices],
+            **kwargs, tensor_parallel_size=tp, bundle_indices=[d.bundle for d in devices],
             expected_places=[(d.node_ip, d.chip) for d in devices],
             slice_plan=self.slice_plan if self.num_engines == 1 else None,
             slice_name=devices[0].slice_name if tp == 1 else None)
@@ -76,7 +80,11 @@ class RolloutPool:
     def _restart(self, index: int) -> None:
         import ray
 
-        logger.warning("rollout engine %d died; starting a new one on the same devices", index)
+        self._incarnations[index] += 1
+        logger.warning("rollout engine %d died; starting a new one on the same devices with a new sampling seed "
+                       "(%d): its share of this step is re-drawn, not replayed (vllm-torchtpu has no per-request "
+                       "seeds), so the step's samples differ from a run without the failure", index,
+                       engine_seed(self.engine_kwargs.get("seed", 0), index, self._incarnations[index]))
         ray.kill(self.engines[index])
         self.engines[index] = self._new_engine(index)
         self.restarts += 1

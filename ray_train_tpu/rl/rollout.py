@@ -13,10 +13,17 @@ After start, each engine checks that vLLM rank ``r`` runs on the host and chip
 its layout gives it; an engine that is a whole slice also gets serving's slice
 plan, and so its env/place check in every worker.
 
-Weights arrive through vLLM's weight-transfer API (`ray_train_tpu.rl._vllm_worker`).
-`RolloutPool` deals a step's prompts out to the engines and, when an engine dies
-mid-generation, starts a new one on the same devices, loads the latest weights
-and re-runs only that engine's share.
+Weights arrive through vLLM's ``worker_extension_cls``
+(`ray_train_tpu.rl._vllm_worker`), a path that exists on vllm-torchtpu's
+``TPUWorker`` as on the CPU worker (vLLM's weight-transfer API does not).
+Requests carry no seed (vllm-torchtpu refuses per-request seeds): each engine
+has its own seed (`engine_seed`), and one engine's sampling is reproducible
+given its requests in order. Log-probs are of the raw logits (vllm-torchtpu's
+``gather_logprobs``, before temperature); the trainer turns them into the
+sampler's (`ray_train_tpu.rl.temperature`). `RolloutPool` deals a step's
+prompts out to the engines and, when an engine dies mid-generation, starts a
+new one on the same devices with a new seed, loads the latest weights and
+re-draws only that engine's share (logged, and counted in ``rollout_retries``).
 """
 
 from __future__ import annotations
@@ -27,19 +34,29 @@ import time
 from typing import Optional, Sequence
 
 from ray_train_tpu import _environ
-from ray_train_tpu import constants as C
 from ray_train_tpu.device import is_simulated
 from ray_train_tpu.rl.config import SamplingConfig
 from ray_train_tpu.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-# vLLM settings of a rollout engine's process (its Ray workers get the VLLM_* ones too).
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine lives (and dies) with the actor's process
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # simulated chips share the machine's cores
-    C.HF_HUB_OFFLINE: "1",
-}
+
+def engine_env(tensor_parallel_size: int, simulated: bool) -> dict:
+    """A rollout engine's environment (its Ray workers get the VLLM_* ones too):
+    serving's `ray_train_tpu.serve.engine.engine_env` (the executor's
+    ``TPU_MULTIHOST_BACKEND`` when the engine's workers are Ray actors, TP > 1),
+    the engine core in the actor's own process, the model from its directory."""
+    from ray_train_tpu.serve.engine import IN_PROCESS_ENV
+    from ray_train_tpu.serve.engine import engine_env as serve_engine_env
+
+    return {**serve_engine_env(simulated=simulated, ray_executor=tensor_parallel_size > 1, offline=True),
+            **IN_PROCESS_ENV}
+
+
+def engine_seed(seed: int, engine: int, incarnation: int = 0) -> int:
+    """Engine ``engine``'s sampling seed: distinct per engine, and per restart
+    (``incarnation``), so that a re-drawn share draws anew, never a replay."""
+    return (seed * 1_000_003 + engine * 7_919 + incarnation * 104_729) % 2**31
 # KV cache of each simulated worker (CPU memory; vLLM's CPU default is 4 GiB); on TPUs vLLM sizes it.
 SIMULATED_KV_CACHE_BYTES = 128 * 2**20
 # Fault injection on simulated hosts only: seconds every generate call waits first,
@@ -101,11 +118,8 @@ class RolloutEngine:
             check_chip_engine(slice_name=slice_name, host=expected_places[0][0] if expected_places else None)
 
         engine_kwargs = dict(engine_kwargs or {})
-        env = {**ENGINE_ENV, platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
+        env = {**engine_env(tensor_parallel_size, is_simulated()), platforms.VLLM_HOST_IP: ray.util.get_node_ip_address()}
         if is_simulated():
-            from ray_train_tpu.serve.engine import SIMULATED_ENV
-
-            env.update({k: v for k, v in SIMULATED_ENV.items() if k.startswith(("GLOO", "VLLM"))})
             engine_kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
         if tensor_parallel_size > 1:
             env[platforms.VLLM_RAY_BUNDLE_INDICES] = ",".join(map(str, bundle_indices))
@@ -115,37 +129,35 @@ class RolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        import ray_train_tpu.rl._vllm_worker  # noqa: F401  (registers the weight-transfer backend here too)
-
         if not is_simulated() and current_platform.device_type != "tpu":
             raise RuntimeError(
                 f"this rollout engine holds a TPU but vLLM chose its {current_platform.device_type!r} platform: "
                 "install vllm-torchtpu on every TPU host, or set RAY_TRAIN_TPU_SIMULATE=1 to simulate on CPU")
-        from ray_train_tpu._compat.vllm import WEIGHT_TRANSFER_BACKEND
-
+        # vllm-torchtpu picks the executor from TPU_MULTIHOST_BACKEND (set by engine_env);
+        # distributed_executor_backend says the same to vLLM's other platforms.
+        self.seed = seed
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=False,
                        tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
-                       worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-                       weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND}, **engine_kwargs)
-        self.llm.init_weight_transfer_engine({"init_info": {}})
+                       worker_extension_cls=EXTENSION, **engine_kwargs)
         self.places = self.llm.collective_rpc("rl_place")
         _check_places(self.places, expected_places)
 
-    def generate(self, requests: Sequence[tuple], sampling: SamplingConfig) -> list:
-        """``requests``: ``(prompt_token_ids, seed)`` each; returns, per request,
-        ``sampling.n`` dicts with ``token_ids``, ``text`` and ``logprobs`` (of the
-        sampled tokens, after temperature)."""
+    def generate(self, requests: Sequence[Sequence[int]], sampling: SamplingConfig) -> list:
+        """``requests``: prompt token ids each (no seed: the engine's own, see
+        `engine_seed`); returns, per request, ``sampling.n`` dicts with
+        ``token_ids``, ``text`` and ``logprobs`` (of the sampled tokens under the
+        raw logits, before temperature, as vllm-torchtpu reports them)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         delay = _environ.get(SIMULATE_ROLLOUT_DELAY_ENV)
         if delay and is_simulated():
             time.sleep(float(delay))
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests]
-        params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                 logprobs=0, seed=seed) for _, seed in requests]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in requests]
+        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
+                                logprobs=0)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[{"token_ids": list(c.token_ids), "text": c.text,
                   "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]}
@@ -155,9 +167,7 @@ class RolloutEngine:
         """Every worker loads weights ``version`` from the `weights.WeightMailbox`
         actor named ``mailbox``; returns the seconds it took."""
         start = time.perf_counter()
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"payload": {"mailbox": mailbox, "version": version}}})
-        self.llm.finish_weight_update()
+        self.llm.collective_rpc("rl_load_weights", args=({"mailbox": mailbox, "version": version},))
         return time.perf_counter() - start
 
     def worker_places(self) -> list[dict]:

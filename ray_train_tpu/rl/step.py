@@ -16,7 +16,8 @@ MAX_LOGGED = 3  # skipped items logged per step (all are counted)
 
 @dataclasses.dataclass
 class Prepared:
-    """A step's prompts: ``records`` kept, their token ids and engine requests."""
+    """A step's prompts: ``records`` kept, their token ids and engine requests
+    (the token ids; requests carry no seed)."""
 
     step: int
     records: list
@@ -47,11 +48,9 @@ def prepare(loop, step: int) -> Prepared:
         raise ValueError(f"step {step}: all {c.num_prompts} prompts are longer than the engine's context allows "
                          f"(GRPOConfig.max_model_len={loop.max_model_len} minus sampling.max_tokens="
                          f"{c.sampling.max_tokens}); raise max_model_len or shorten the prompts")
-    # vLLM seeds the n samples of a request with seed, seed + 1, ...: space the prompts
-    # n apart, or neighbouring prompts would share their random draws.
-    base = (c.seed * 1_000_003 + step) * 1_000_003
-    requests = [(x, (base + i * c.sampling.n) % 2**63) for i, x in enumerate(ids)]
-    return Prepared(step, records, ids, requests, skipped)
+    # No per-request seed (vllm-torchtpu refuses one): each engine samples from its
+    # own engine-wide generator (`rollout.engine_seed`).
+    return Prepared(step, records, ids, list(ids), skipped)
 
 
 def rewards(loop, prepared: Prepared, samples: list) -> tuple[list, list, dict]:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import types
 import zipfile
+from typing import Callable, Optional
 
 from ray_train_tpu._compat import vllm_torchtpu as T
 
@@ -31,13 +32,17 @@ PYTHON_VERSION = "3.12"  # the only one it is built for
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ray_train_tpu", "wheels")
 
 
-def source_dir(cache_dir: str | None = None, timeout_s: float = 300.0) -> str:
+def source_dir(cache_dir: str | None = None, timeout_s: float = 300.0, *, fetch: bool = True) -> str:
     """A directory holding vllm-torchtpu-core's ``vllm_torchtpu`` package at
-    the pinned version (fetched from PyPI the first time). RuntimeError, with
-    pip's own words, if it cannot be fetched."""
+    the pinned version (fetched from PyPI the first time: ``make setup`` does;
+    with ``fetch=False``, as tests call it, RuntimeError if it is not in the
+    cache yet). RuntimeError, with pip's own words, if it cannot be fetched."""
     out = os.path.join(cache_dir or CACHE_DIR, f"{T.CORE_DIST}-{T.TESTED_VLLM_TORCHTPU_VERSION}")
     if os.path.isfile(os.path.join(out, PACKAGE, "__init__.py")):
         return out
+    if not fetch:
+        raise RuntimeError(f"{T.CORE_DIST} {T.TESTED_VLLM_TORCHTPU_VERSION}'s source is not in {out}: `make setup` "
+                           "fetches it once (python -m ray_train_tpu.serve._torchtpu_source)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(out))
     try:
@@ -89,3 +94,111 @@ def import_executor(src: str) -> types.ModuleType:
     if src not in sys.path:
         sys.path.insert(0, src)
     return importlib.import_module(T.EXECUTOR_MODULE)
+
+
+# --- reading its source (tests): what a class defines, a function to run -------------
+
+
+def parse(src: str, relpath: str) -> "ast.Module":
+    """The parsed module ``vllm_torchtpu/<relpath>`` of `src` (`source_dir`)."""
+    import ast
+
+    with open(os.path.join(src, PACKAGE, relpath), encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=relpath)
+
+
+def class_def(tree, name: str):
+    """The ``class name`` statement of a parsed module (KeyError if it has none)."""
+    import ast
+
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise KeyError(f"no class {name} in the vllm-torchtpu source")
+
+
+def class_methods(src: str, relpath: str, name: str) -> frozenset:
+    """Names of the functions class `name` of ``vllm_torchtpu/<relpath>`` defines itself."""
+    import ast
+
+    node = class_def(parse(src, relpath), name)
+    return frozenset(n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def method_def(src: str, relpath: str, qualname: str):
+    """The ``def`` of ``Class.method`` in ``vllm_torchtpu/<relpath>``."""
+    import ast
+
+    cls, _, meth = qualname.partition(".")
+    for node in class_def(parse(src, relpath), cls).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == meth:
+            return node
+    raise KeyError(f"no method {qualname} in vllm_torchtpu/{relpath}")
+
+
+def compile_function(node, namespace: dict, *, name: Optional[str] = None) -> Callable:
+    """Its own function from a ``def`` node, run as written: decorators and
+    annotations dropped (they change no behaviour; annotations would name
+    types only its imports define). Names it reads come from `namespace`."""
+    import ast
+    import copy
+
+    fn = copy.deepcopy(node)
+    fn.decorator_list = []
+    fn.returns = None
+    for arg in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    if name:
+        fn.name = name
+    module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+    scope = dict(namespace)
+    exec(compile(module, f"<vllm_torchtpu {node.name}>", "exec"), scope)  # noqa: S102 (its own code)
+    return scope[fn.name]
+
+
+def statements_function(statements: list, params: list, result: str, namespace: dict) -> Callable:
+    """A function of `params` that runs `statements` (its own, as written) and
+    returns the expression `result` evaluated after them."""
+    import ast
+
+    body = list(statements) + [ast.Return(value=ast.parse(result, mode="eval").body)]
+    fn = ast.FunctionDef(name="_its_statements", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=body, decorator_list=[], returns=None)
+    if sys.version_info >= (3, 12):
+        fn.type_params = []
+    return compile_function(fn, namespace)
+
+
+class StubName(str):
+    """Something its code imports from a module that needs a TPU: its own name
+    (so that which one it chose can be read), and a call of it does nothing."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class StubModule(types.ModuleType):
+    """A module whose every attribute is a `StubName`."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StubName(name)
+
+
+def stub_import(real_prefixes: tuple = ()) -> Callable:
+    """An ``__import__`` that gives `StubModule` for every module not under `real_prefixes`."""
+    import builtins
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name.startswith(real_prefixes):
+            return builtins.__import__(name, globals, locals, fromlist, level)
+        return StubModule(name)
+
+    return _import
+
+
+if __name__ == "__main__":  # make setup: fetch it into the cache once
+    print(source_dir())

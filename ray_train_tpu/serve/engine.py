@@ -27,6 +27,8 @@ SIMULATED_KV_CACHE_BYTES = 256 * 2**20
 # Every engine and vLLM worker: libtpu never asks for a metadata server, and
 # vLLM's Ray executor V2, which starts workers where we check them.
 ENGINE_ENV = {C.TPU_SKIP_MDS_QUERY: "1", V.USE_RAY_V2_EXECUTOR: "1"}
+# vLLM's CPU backend keeps the engine core in the engine's own process (it lives and dies with its actor).
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Simulation: gloo over loopback (each simulated host is a loopback address),
 # no CPU pinning (the hosts share the machine's cores), torch_tpu not autoloaded.
 SIMULATED_ENV = {
@@ -51,6 +53,32 @@ class SliceEngine:
         """Placement strategy of the slice's bundles: a one-host slice has no
         slice-name label to pin them, so they are packed onto one host."""
         return "STRICT_PACK" if self.spec.parsed.num_hosts == 1 else "SPREAD"
+
+
+def engine_env(*, simulated: bool, ray_executor: bool, offline: bool = False,
+               torch_tpu_topology: Optional[str] = None) -> dict:
+    """The environment of one vLLM engine and its workers, for serving, batch
+    inference and RL alike.
+
+    ``ray_executor``: the engine's workers are Ray actors (vLLM's Ray executor,
+    on one or several hosts). vllm-torchtpu picks its executor from
+    ``TPU_MULTIHOST_BACKEND`` alone (`_torchtpu_rules.torchtpu_executor`;
+    ``distributed_executor_backend`` is ignored), so that is set here, on TPUs and
+    in simulation alike (the simulated platform follows the same rule);
+    without it a one-device engine runs in its own process (``"uni"``).
+    ``offline``: the model is a local directory (no Hugging Face Hub calls).
+    ``torch_tpu_topology``: the slice's TorchTPU topology, which vllm-torchtpu
+    reads before its own per-size table (TPUs only)."""
+    env = dict(ENGINE_ENV)
+    if ray_executor:
+        env.update(T.EXECUTOR_ENV)
+    if offline:
+        env[C.HF_HUB_OFFLINE] = "1"
+    if simulated:
+        env.update(SIMULATED_ENV)
+    elif torch_tpu_topology:
+        env[C.TORCH_TPU_TOPOLOGY] = torch_tpu_topology
+    return env
 
 
 def simulate_default(simulate: Optional[bool]) -> bool:
@@ -90,18 +118,13 @@ def slice_engine(
     kwargs.update(tensor_parallel_size=spec.tensor_parallel_size,
                   pipeline_parallel_size=spec.pipeline_parallel_size, distributed_executor_backend="ray")
     simulated = simulate_default(simulate)
-    env = dict(ENGINE_ENV)
-    if os.path.isdir(model):
-        env[C.HF_HUB_OFFLINE] = "1"
+    env = engine_env(simulated=simulated, ray_executor=True, offline=os.path.isdir(model),
+                     torch_tpu_topology=spec.parsed.torch_tpu_topology)
     if simulated:
         problem = V.eager_pipeline_problem(kwargs, spec.pipeline_parallel_size)
         if problem:
             raise ValueError(problem)
-        env.update(SIMULATED_ENV)
         kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
-    else:
-        # vllm-torchtpu reads TORCH_TPU_TOPOLOGY before its own per-size table.
-        env.update({**T.EXECUTOR_ENV, C.TORCH_TPU_TOPOLOGY: spec.parsed.torch_tpu_topology})
     return SliceEngine(spec=spec, engine_kwargs=kwargs, env=env, simulated=simulated)
 
 

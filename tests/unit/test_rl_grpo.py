@@ -394,6 +394,8 @@ def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chu
     Returns the model and the gradients AdamW received at each step."""
     from transformers import AutoModelForCausalLM
 
+    from ray_train_tpu.rl.temperature import engine_logprobs_at_temperature
+
     batch = batch.to(device)
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype).to(device)
@@ -410,6 +412,8 @@ def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chu
                               0.7)
 
     every = list(range(batch.num_rows))
+    # engine log-probs are of the raw logits (vllm-torchtpu): the sampler's at T = 0.7 (rl.temperature)
+    batch = engine_logprobs_at_temperature(model, batch, 0.7, a.micro_batch_size)
     with torch.no_grad():
         old_all = None
         if a.old_logprobs == "engine":
