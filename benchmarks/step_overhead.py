@@ -50,6 +50,15 @@ Valgrind hides AVX-512 from the process, so MKL takes its AVX2 kernels there.
 ``--ddp-buckets`` runs every launcher with one DDP bucket policy (the cost of the
 exact-resume default: ``fixed`` against DDP's ``rebuild``).
 
+``--preemption-checks none,sync_every_step,guard,guard_every_10`` runs each
+launcher (ours, torchrun) once per per-step preemption check, side by side in the
+same rotation: ``sync_every_step`` is what ``PreemptionGuard.requested()`` did
+before issue 32 (a flag all-reduced on the device, then ``.item()``: a host sync
+each step), ``guard`` is today's guard (a host flag, non-blocking on a gloo group,
+read one step late), ``guard_every_10`` the same with ``check_every=10``. The
+JSON's ``preemption_checks`` has each one's steps/s and CPU per step, paired
+against ``none``.
+
 Writes benchmarks/results/step_overhead.json (+ .png), or
 step_overhead_callgrind.json with ``--callgrind`` (``--name`` to change).
 """
@@ -82,6 +91,7 @@ DEFAULT_LAUNCHERS = LAUNCHERS[:3]  # the other two are experiments, asked for by
 EXPERIMENTS = LAUNCHERS[3:]
 WITHOUT_RAY = ("torchrun", "torchrun_in_thread")  # launchers that need no Ray cluster
 DDP_BUCKETS = ("default", "fixed", "rebuild", "find_unused")
+PREEMPTION_CHECKS = ("none", "sync_every_step", "guard", "guard_every_10")
 CPU_NOTE = ("CPU seconds per step (all threads, mean over ranks), ours / other: lower is better, 1.0 = no "
             "overhead. The targets are on wall-clock steps/s; this says whether a wall-clock gap is work "
             "the framework adds or time the processes waited for a core on the shared machine.")
@@ -122,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DDP gradient buckets for every launcher: 'default' = each launcher's own (ours: fixed "
                         "order for exact resume; Ray and torchrun: DDP's rebuild after step 1); 'fixed', "
                         "'rebuild' or 'find_unused' (find_unused_parameters=True) for all")
+    p.add_argument("--preemption-checks", default="none",
+                   help=f"comma-separated per-step preemption checks from {PREEMPTION_CHECKS}, each run side by "
+                        "side for every launcher (ours and torchrun only when other than 'none')")
     p.add_argument("--callgrind", action="store_true",
                    help="count instructions per step on one rank per launcher under valgrind's callgrind "
                         "(load-insensitive; defaults then: --steps 20 --warmup-steps 5 --repeats 1)")
@@ -176,6 +189,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--launchers torchrun_beside_ray runs on --device cpu only (the idle Ray Train run and "
                 "torchrun share the simulated slice's host)")
     args.launchers = launchers
+    checks = [c.strip() for c in args.preemption_checks.split(",") if c.strip()]
+    if not checks or any(c not in PREEMPTION_CHECKS for c in checks) or len(set(checks)) != len(checks):
+        p.error(f"--preemption-checks {args.preemption_checks!r}: give distinct checks from {PREEMPTION_CHECKS}")
+    if checks != ["none"] and not set(launchers) <= {"ours", "torchrun"}:
+        p.error(f"--preemption-checks {','.join(checks)} runs with --launchers ours,torchrun only (the guard "
+                "needs its SIGTERM handler: TPUTorchConfig's backend installs it, torchrun's ranks here)")
+    args.preemption_checks = checks
     for field in ("repeats", "steps", "batch_size", "seq_len", "dim", "hidden", "layers"):
         if getattr(args, field) < 1:
             p.error(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
@@ -263,8 +283,6 @@ def train_loop(cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ray_train_tpu.throughput import ThroughputMeter
-
     torch.set_num_threads(1)
     device, wrap = _setup(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -277,12 +295,49 @@ def train_loop(cfg: dict) -> dict:
     shape = (cfg["batch_size"], cfg["seq_len"], cfg["dim"])
     x, y = torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
 
+    check, guard = preemption_check(cfg.get("preemption_check", "none"), device)
+
     def step():
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if check() and guard is not None:
+            guard.stop()  # never here: nobody sends a notice
         return loss
+
+    with guard if guard is not None else contextlib.nullcontext():
+        return _timed_loop(cfg, step, device, model, n_params, world)
+
+
+def preemption_check(name: str, device):
+    """(check, guard): the per-step preemption check `name` and the guard it needs."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from ray_train_tpu.checkpoint import preemption
+
+    if name == "none":
+        return (lambda: False), None
+    if name == "sync_every_step":  # PreemptionGuard.requested() before issue 32, inline
+        def check():
+            flag = torch.tensor([0], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
+        return check, None
+    if not preemption.handler_installed() and threading.current_thread() is threading.main_thread():
+        preemption.install_handler()  # torchrun's ranks; TPUTorchConfig's backend does it in ours
+    guard = preemption.PreemptionGuard(grace_period_s=30, check_every=10 if name == "guard_every_10" else 1)
+    return guard.requested, guard
+
+
+def _timed_loop(cfg, step, device, model, n_params, world) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from ray_train_tpu.throughput import ThroughputMeter
 
     warmup_run = warm_up(step, cfg["warmup_steps"], cfg.get("warmup_s", 0.0), device)
     _sync(device)
@@ -317,7 +372,8 @@ def train_loop(cfg: dict) -> dict:
     threads = per_thread_ms(threads_start, threads_cpu_s(), cfg["steps"])
     window = meter.step(cfg["batch_size"] * cfg["steps"])  # one "step" = the whole timed window
     return {
-        "launcher": cfg["launcher"], "world_size": world, "steps_per_s": cfg["steps"] / elapsed,
+        "launcher": cfg["launcher"], "preemption_check": cfg.get("preemption_check", "none"),
+        "world_size": world, "steps_per_s": cfg["steps"] / elapsed,
         "cpu_ms_per_step": cpu.item() / world / cfg["steps"] * 1e3,
         "timed_s": elapsed, "tokens_per_s": window.get("tokens_per_s"), "mfu": window.get("mfu"),
         "params": n_params, "wrapper": type(model).__name__, "device": str(device),
@@ -787,6 +843,24 @@ def summarize(runs: list[dict]) -> dict:
             "paired_ratios": paired, "paired_ratios_note": PAIRED_NOTE}
 
 
+def summarize_preemption_checks(runs: list[dict], checks: list[str]) -> dict:
+    """Per launcher and check: median steps/s and CPU ms per step, and each check
+    paired against the first (``none``) by repeat."""
+    out = {}
+    for launcher in sorted({r["launcher"] for r in runs}):
+        mine = [dict(r, launcher=r["preemption_check"]) for r in runs if r["launcher"] == launcher]
+        per = {}
+        for check in checks:
+            of = [r for r in mine if r["launcher"] == check]
+            per[check] = {"median_steps_per_s": _median([r["steps_per_s"] for r in of]),
+                          "median_cpu_ms_per_step": _median([r.get("cpu_ms_per_step") for r in of]),
+                          "paired_over_" + checks[0]: {
+                              metric: paired_ratio_ci(mine, check, checks[0], metric)
+                              for metric in ("steps_per_s", "cpu_ms_per_step")} if check != checks[0] else None}
+        out[launcher] = per
+    return out
+
+
 def cpu_verdict(ci: dict, limit: float) -> dict:
     """A CPU-per-step target (ratio <= `limit`) judged on a paired interval: met when
     the whole interval is at or below it, missed when the whole interval is above,
@@ -885,14 +959,16 @@ def main(argv=None) -> dict:
         return result
     ship_to_ray_workers(sys.modules[__name__], _callgrind)
     cfg = {k: getattr(args, k) for k in ("device", "warmup_steps", "warmup_s", "steps", "batch_size", "seq_len", "dim",
-                                         "hidden", "layers", "peak_tflops", "ddp_buckets")}
+                                         "hidden", "layers", "peak_tflops", "ddp_buckets", "preemption_checks")}
     n = _num_workers(args)
     runs, started = [], time.perf_counter()
     ray_launchers = [name for name in args.launchers if name not in WITHOUT_RAY]
     with tempfile.TemporaryDirectory(prefix="rtt_step_storage_") as storage:
         with (_ray_cluster(args) if ray_launchers else contextlib.nullcontext()):
+            variants = [(name, check) for name in args.launchers for check in args.preemption_checks]
             for repeat in range(args.repeats):
-                for name in rotated(args.launchers, repeat):
+                for name, check in rotated(variants, repeat):
+                    cfg["preemption_check"] = check
                     t0 = time.perf_counter()
                     with (tempfile.TemporaryDirectory(prefix="rtt_cg_") if args.callgrind
                           else contextlib.nullcontext()) as cg_dir:
@@ -916,12 +992,16 @@ def main(argv=None) -> dict:
                     run.update(repeat=repeat, wall_s=time.perf_counter() - t0)
                     runs.append(run)
                     cg = run.get("callgrind")
-                    print(f"repeat {repeat} {name:20} {run['steps_per_s']:8.2f} steps/s  "
+                    label = name if args.preemption_checks == ["none"] else f"{name}/{check}"
+                    print(f"repeat {repeat} {label:20} {run['steps_per_s']:8.2f} steps/s  "
                           f"(niceness {run['niceness']}, {run['wall_s']:.0f} s with start-up)"
                           + (f"  {cg['instructions_per_step'] / 1e6:.2f} M instructions/step/rank "
                              f"({'every thread' if args.callgrind_threads == 'all' else 'training thread'})" if cg else ""),
                           flush=True)
-    summary = summarize(runs)
+    cfg.pop("preemption_check", None)
+    summary = summarize([r for r in runs if r.get("preemption_check", "none") == args.preemption_checks[0]])
+    if args.preemption_checks != ["none"]:
+        summary["preemption_checks"] = summarize_preemption_checks(runs, args.preemption_checks)
     result = {
         "question": "does the framework add per-step overhead over torchrun and Ray's TorchTrainer?",
         "environment": environment(simulated=args.device == "cpu" and bool(ray_launchers)),
@@ -983,6 +1063,15 @@ def _print_table(result):
         verdict = result.get("cpu_targets", {}).get(key)
         if verdict:
             print(f"    CPU per step target {verdict['target']}: {verdict['verdict']}")
+    for launcher, per in result.get("preemption_checks", {}).items():
+        print(f"  preemption checks under {launcher}:")
+        for check, st in per.items():
+            paired = next((v for k, v in st.items() if k.startswith("paired_over_") and v), {})
+            ratio = paired.get("steps_per_s")
+            print(f"    {check:16} median {_num(st['median_steps_per_s']):8.2f} steps/s  CPU "
+                  f"{_num(st['median_cpu_ms_per_step']):.2f} ms/step/rank"
+                  + (f"  steps/s vs none {ratio['ratio']:.3f} 95% CI [{ratio['ci95'][0]:.3f}, "
+                     f"{ratio['ci95'][1]:.3f}]" if ratio else ""))
     cg = result.get("callgrind", {})
     for key, ratio in cg.get("ratios", {}).items():
         print(f"  callgrind instructions per step {key} ({cg['threads']} threads): {ratio:.3f}")

@@ -20,13 +20,17 @@ torch_tpu reads its variables lazily, on first device or process-group use,
 and only once (``GetEnvOnce``); importing it reads none of them
 (tests/unit/test_torch_tpu_env_timing.py). ``on_start`` runs before the
 training function, so the environment is complete before anything reads it.
+
+The backend receives its `TPUTorchConfig` as Ray's ``Backend.on_start`` gets
+any config, typed as Ray's base (``TorchConfig``): `ray_train_tpu.config`
+imports this module for ``backend_cls``, never the other way round.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import ray
 from ray.train.torch import TorchConfig
@@ -41,9 +45,6 @@ from ray_train_tpu.hang import ranges as _ranges
 from ray_train_tpu.launch_env import check_override, launch_envs, reconcile
 from ray_train_tpu.prepare import set_worker_context
 from ray_train_tpu.topology import Topology, generation_of_pod_type
-
-if TYPE_CHECKING:
-    from ray_train_tpu.config import TPUTorchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +69,14 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
     # not queue a call behind them (a stalled host would hold it to its timeout).
     _busy_ranks: frozenset = frozenset()
 
-    def on_start(self, worker_group, backend_config: TPUTorchConfig):
+    def on_start(self, worker_group, backend_config: TorchConfig):
         try:
             self._start(worker_group, backend_config)
         except BaseException:
             compat_ray.release_failed_worker_group(worker_group)
             raise
 
-    def _start(self, worker_group, backend_config: TPUTorchConfig):
+    def _start(self, worker_group, backend_config: TorchConfig):
         reports: list[WorkerReport] = worker_group.execute(_worker_fns.report)
         # On the workers' main threads (the training function runs in another one),
         # for checkpoint.PreemptionGuard; dormant until a guard is armed.
@@ -119,7 +120,7 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             " (SIMULATED: a 'tpu' device over CPU memory, gloo underneath)" if mode is Mode.SIMULATE else "",
         )
 
-    def rank_order(self, reports: list, cfg: TPUTorchConfig) -> list[int]:
+    def rank_order(self, reports: list, cfg: TorchConfig) -> list[int]:
         """Indices of the reporting workers in rank order (for groups that, unlike
         Ray Train's, are not ranked already)."""
         topology = _resolve_topology(reports, cfg)
@@ -151,7 +152,7 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         _warn_env_changes(plans, cfg.extra_env)
         return plans
 
-    def _rendezvous(self, worker_group, backend, cfg: TPUTorchConfig, placement: Layout):
+    def _rendezvous(self, worker_group, backend, cfg: TorchConfig, placement: Layout):
         """Roll call, then the process group, each bounded by rendezvous_timeout_s,
         so a host that never joins fails the attempt naming its ranks."""
         world_size = len(worker_group)
@@ -209,7 +210,7 @@ class _RendezvousTimeout(TimeoutError):
         self.ranks = ranks
 
 
-def _wait_all(calls: list, cfg: TPUTorchConfig, placement: Layout, backend: str, what: str) -> None:
+def _wait_all(calls: list, cfg: TorchConfig, placement: Layout, backend: str, what: str) -> None:
     done, pending = ray.wait(calls, num_returns=len(calls), timeout=cfg.rendezvous_timeout_s)
     ray.get(done)  # a worker that failed raises its own error here
     if pending:
@@ -248,7 +249,7 @@ def _choose_backend(requested: Optional[str], mode: Mode) -> str:
     return requested
 
 
-def _resolve_topology(reports, cfg: TPUTorchConfig) -> Topology:
+def _resolve_topology(reports, cfg: TorchConfig) -> Topology:
     host_values = {(r.accelerator_type, r.topology) for r in reports}
     if cfg.topology is not None:
         topology = Topology.parse(cfg.topology, cfg.accelerator_type)
@@ -318,7 +319,7 @@ def _warn_env_changes(plans: list, extra: dict) -> None:
             if ("override", key) not in seen:
                 seen.add(("override", key))
                 logger.warning(
-                    "ray_train_tpu: TPUTorchConfig(extra_env) sets %s=%r (computed %r)", key, _short(value), _short(ours)
+                    "ray_train_tpu: TorchConfig(extra_env) sets %s=%r (computed %r)", key, _short(value), _short(ours)
                 )
 
 

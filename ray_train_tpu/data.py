@@ -1,6 +1,7 @@
 """`stateful_dataloader`: a rank-sharded torchdata ``StatefulDataLoader`` that resumes exactly.
 
-Each rank reads its own shard (a ``DistributedSampler`` with a fixed seed), and
+Each data-parallel rank reads its own shard (a ``DistributedSampler`` with a
+fixed seed; tensor-parallel peers read the same one), and
 ``state_dict()`` holds the epoch and how far into it this rank has read, so a
 loader built the same way after a restart and given that state yields exactly
 the batches the interrupted run had not yet seen. `ray_train_tpu.checkpoint`
@@ -40,6 +41,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ray_train_tpu._compat import torch as compat_torch
+from ray_train_tpu.prepare import data_parallel_shard
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +244,12 @@ def stateful_dataloader(
         drop_last: drop the tail that does not divide evenly among the ranks,
             and a last incomplete batch (False pads the shards by repeating samples).
         num_workers: loader worker processes, as in ``DataLoader``.
-        rank, world_size: default: from torch.distributed if it is initialized,
-            else Ray Train's context in a Ray Train worker, else 0 and 1.
+        rank, world_size: this rank's place among the data-parallel replicas.
+            Default: from the job's device mesh (`prepare.data_parallel_shard`:
+            tensor-parallel peers share a shard), else torch.distributed's rank
+            and world size if it is initialized, else Ray Train's context in a
+            Ray Train worker, else 0 and 1. Values that contradict the mesh are
+            refused.
         **kwargs: more ``StatefulDataLoader`` arguments (``collate_fn``, ...).
 
     Call ``loader.set_epoch(epoch)`` before each epoch; after loading a state,
@@ -292,8 +298,16 @@ def _rank_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, in
             f"stateful_dataloader needs both rank and world_size, or neither (taken from the "
             f"process group); got rank={rank!r}, world_size={world_size!r}"
         )
+    shard = data_parallel_shard()
     if rank is None:
-        rank, world_size = _detected_rank_world()
+        rank, world_size = shard if shard is not None else _detected_rank_world()
+    elif shard is not None and (rank, world_size) != shard:
+        raise ValueError(
+            f"stateful_dataloader(rank={rank!r}, world_size={world_size!r}) contradicts the job's device "
+            f"mesh: this process is data-parallel rank {shard[0]} of {shard[1]}, and the loader shards by "
+            "data-parallel ranks only (tensor-parallel peers must read the same batch); leave rank and "
+            f"world_size out, or pass rank={shard[0]}, world_size={shard[1]}"
+        )
     if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(
             f"stateful_dataloader(rank={rank!r}, world_size={world_size!r}): rank must be an integer "

@@ -72,6 +72,33 @@ class MeshLayout:
         """Size of the dimension `name`; 1 for a name the layout does not have."""
         return dict(zip(self.dim_names, self.shape)).get(name, 1)
 
+    def data_parallel(self, rank: int) -> tuple[int, int]:
+        """``(dp_rank, dp_size)`` of global `rank`: its place among the
+        data-parallel replicas, which read different data. The dimensions whose
+        names start with ``dp`` are data parallel; the others (``tp``) hold
+        peers that read the same batch. The mesh is row-major over ranks, as
+        torch's ``init_device_mesh`` lays it out.
+
+        Example:
+            >>> layout = mesh_layout(8, tp_size=2)          # (1, 4, 2)
+            >>> [layout.data_parallel(r) for r in range(4)]
+            [(0, 4), (0, 4), (1, 4), (1, 4)]
+        """
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"rank={rank!r} is not a rank of mesh {dict(zip(self.dim_names, self.shape))}; "
+                f"ranks are 0..{self.world_size - 1}"
+            )
+        coords, rest = [], rank
+        for n in reversed(self.shape):
+            coords.append(rest % n)
+            rest //= n
+        dp_rank, dp_size = 0, 1
+        for name, coord, n in zip(self.dim_names, reversed(coords), self.shape):
+            if name.startswith("dp"):
+                dp_rank, dp_size = dp_rank * n + coord, dp_size * n
+        return dp_rank, dp_size
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -78,7 +78,7 @@ def set_worker_context(strategy, topology: str, accelerator_type: str, num_slice
             strategy=strategy or "ddp", topology=topology, accelerator_type=accelerator_type, num_slices=num_slices
         )
     )
-    compat_ray.route_ray_prepare_model(ray_prepare_model)
+    compat_ray.route_ray_prepare(ray_prepare_model, data_parallel_shard)
 
 
 def ray_prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
@@ -114,3 +114,34 @@ def current_strategy():
     if ctx.strategy is not strategy:
         set_context(dataclasses.replace(ctx, strategy=strategy))
     return strategy
+
+
+def data_parallel_shard() -> Optional[tuple[int, int]]:
+    """``(dp_rank, dp_size)`` of this rank in the job's mesh, or ``None`` where no
+    mesh is known (no process group, or neither a strategy's ``setup`` nor a
+    TPUTorchTrainer worker context in this process).
+
+    Tensor-parallel peers get the same ``dp_rank``, so a sampler built with it
+    hands them the same batch. The mesh is the one the last ``Strategy.setup``
+    built here (`ray_train_tpu.strategies.base.active_strategy`); before
+    `prepare_model`, inside a ``TPUTorchTrainer``, it is the layout of the
+    trainer's strategy, the same one ``prepare_model`` will build.
+    """
+    import torch.distributed as dist
+
+    from ray_train_tpu.strategies.base import active_strategy
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    active = active_strategy()
+    layout = active.mesh_layout if active is not None else None
+    if layout is None or layout.world_size != world_size:
+        if _context is None:
+            return None
+        from ray_train_tpu.topology import Topology
+
+        ctx = _context
+        topology = Topology.parse(ctx.topology, ctx.accelerator_type) if ctx.topology else None
+        layout = current_strategy().validate(topology, ctx.num_slices, world_size)
+    return layout.data_parallel(rank)

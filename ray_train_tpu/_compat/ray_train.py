@@ -220,19 +220,83 @@ def release_failed_worker_group(worker_group: Any) -> None:
             logger.exception("ray_train_tpu: could not shut down the failed worker group")
 
 
-def route_ray_prepare_model(prepare: Callable[..., Any]) -> None:
-    """In a TPUTorchTrainer worker, send ``ray.train.torch.prepare_model`` to
-    ray_train_tpu's strategies: Ray 2.60 passes ``device_ids`` to DDP (torch_tpu
-    needs none) and allows FSDP only with CUDA. The seam is the method every
-    ``ray.train.torch.prepare_model`` call goes through, whatever name the user
-    imported; `prepare(model, move_to_device, parallel_strategy, kwargs)`."""
+# Where ``ray.train.torch.prepare_model`` / ``prepare_data_loader`` are looked up:
+# the public module (``ray.train.torch.prepare_model(...)`` and imports after the
+# routing), and the modules that define them (a train function pickled on the
+# driver refers to Ray's function by its defining module and name, resolved in
+# the worker when the function is unpickled, after the backend's start-up).
+# Train v2 (on by default) exports its own functions, which never call
+# ``_TorchAccelerator``; Train v1's call it.
+_RAY_PREPARE_MODULES = ("ray.train.torch", "ray.train.torch.train_loop_utils", "ray.train.v2.torch.train_loop_utils")
+_ray_originals: dict[str, Callable[..., Any]] = {}
+
+
+def route_ray_prepare(
+    prepare: Callable[..., Any], data_parallel_shard: Callable[[], Optional[tuple[int, int]]]
+) -> None:
+    """In a TPUTorchTrainer worker, send Ray's ``prepare_model`` to ray_train_tpu's
+    strategies (Ray 2.60 passes ``device_ids`` to DDP, which torch_tpu needs
+    without, and allows FSDP only with CUDA): `prepare(model, move_to_device,
+    parallel_strategy, kwargs)`; and make Ray's ``prepare_data_loader`` shard by
+    the data-parallel ranks, ``data_parallel_shard() -> (dp_rank, dp_size)``, so
+    that tensor-parallel peers read the same batches (Ray's own
+    ``DistributedSampler`` takes the global rank and world size).
+
+    Routed: the functions of ``ray.train.torch`` (Train v2's and v1's) and
+    ``_TorchAccelerator.prepare_model``. A name a module bound before the worker
+    started (``from ray.train.torch import prepare_model`` in a module the worker
+    imported earlier) keeps Ray's function."""
+    import importlib
+
     from ray.train.torch.train_loop_utils import _TorchAccelerator
 
-    def prepare_model(self, model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
+    public = importlib.import_module("ray.train.torch")
+    _ray_originals.setdefault("prepare_data_loader", public.prepare_data_loader)
+
+    def prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
         return prepare(model, move_to_device, parallel_strategy, parallel_strategy_kwargs)
 
-    prepare_model.__doc__ = _TorchAccelerator.prepare_model.__doc__
-    _TorchAccelerator.prepare_model = prepare_model
+    def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True, auto_transfer=True):
+        if add_dist_sampler:
+            data_loader = _with_data_parallel_sampler(data_loader, data_parallel_shard())
+        return _ray_originals["prepare_data_loader"](
+            data_loader, add_dist_sampler=add_dist_sampler, move_to_device=move_to_device, auto_transfer=auto_transfer)
+
+    prepare_model.__doc__ = public.prepare_model.__doc__
+    prepare_data_loader.__doc__ = _ray_originals["prepare_data_loader"].__doc__
+    for name in _RAY_PREPARE_MODULES:
+        module = importlib.import_module(name)
+        module.prepare_model, module.prepare_data_loader = prepare_model, prepare_data_loader
+
+    def accelerator_prepare_model(self, model, move_to_device=True, parallel_strategy="ddp",
+                                  parallel_strategy_kwargs=None):
+        return prepare(model, move_to_device, parallel_strategy, parallel_strategy_kwargs)
+
+    _TorchAccelerator.prepare_model = accelerator_prepare_model
+
+
+def _with_data_parallel_sampler(loader, shard: Optional[tuple[int, int]]):
+    """`loader` rebuilt as Ray 2.60's ``prepare_data_loader`` rebuilds it
+    (``with_sampler``), with a ``DistributedSampler`` over the data-parallel
+    ranks `shard`; `loader` itself where Ray's own sampler (global rank and world
+    size) is already right or Ray would add none."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+
+    if shard is None or shard == (dist.get_rank(), dist.get_world_size()):
+        return loader
+    if dist.get_world_size() == 1 or isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return loader
+    rank, size = shard
+    return DataLoader(
+        dataset=loader.dataset, batch_size=loader.batch_size, shuffle=False, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        sampler=DistributedSampler(loader.dataset, num_replicas=size, rank=rank,
+                                   shuffle=not isinstance(loader.sampler, SequentialSampler)),
+    )
 
 
 def _train_context():

@@ -21,10 +21,16 @@ What `PreemptionGuard` adds, and only that:
    Ray's own handler makes the worker exit at once. With a guard armed the
    worker lives on, and its SIGTERM counts at the next `requested` (before Ray's
    watcher has polled the drain).
-2. **A cheap per-step check.** `requested` is one 4-byte all-reduce on the
-   job's process group: True on every rank as soon as any rank has a notice,
-   its own SIGTERM or Ray's. ``ray.train.get_preemption_info()`` is a barrier
-   through the controller's actor at every call.
+2. **A cheap per-step check, without a host sync.** `requested` starts a
+   non-blocking 4-byte all-reduce of this rank's flag (its own SIGTERM, or
+   Ray's notice) on a host (gloo) group of its own, and returns the result of
+   the one it started at the previous check: True on every rank at the same
+   step, one check after any rank had a notice. Nothing waits for the device
+   (the flag never goes there, so an asynchronous TPU or GPU queue is not
+   drained each step) nor for a collective started in the same step.
+   ``check_every=N`` checks at every N-th call only (the calls in between cost
+   nothing). ``ray.train.get_preemption_info()`` is a barrier through the
+   controller's actor at every call.
 3. **An end Ray counts as a preemption.** After the checkpoint the attempt must
    not end in an exception (Ray charges a worker error to ``max_failures``) nor
    return (the run would be finished). `stop` waits until Ray Train knows of the
@@ -202,20 +208,29 @@ class PreemptionGuard:
     Args:
         grace_period_s: seconds between a SIGTERM and the host's end (30 on GCE
             spot VMs); within it `stop` waits for Ray's notice and its reports.
-        device: device of the flag tensor in `requested`'s all-reduce; default
-            ``ray_train_tpu.get_device()``.
+        check_every: `requested` checks at every `check_every`-th call (on every
+            rank the same calls); a notice is seen at most ``2 * check_every``
+            calls after it arrived.
+        device: ignored (with a warning): the flags travel on a host group.
 
     Example:
         >>> with PreemptionGuard(grace_period_s=30) as guard:  # doctest: +SKIP
         ...     if guard.requested(): ...
     """
 
-    def __init__(self, grace_period_s: float = 30.0, *, device=None):
+    def __init__(self, grace_period_s: float = 30.0, *, check_every: int = 1, device=None):
         self.grace_period_s = float(V.check_number(
             "PreemptionGuard", "grace_period_s", grace_period_s, max=24 * 3600, unit="seconds",
             fix="use your hosts' grace period, e.g. 30 for GCE spot VMs"))
-        self._device = device
+        self.check_every = V.check_int("PreemptionGuard", "check_every", check_every, min=1,
+                                       fix="e.g. check_every=10 to check at every 10th step")
+        if device is not None:
+            logger.warning("ray_train_tpu: ignoring PreemptionGuard(device=%r): the notice flags travel on a "
+                           "host (gloo) group, never on the device", device)
         self._entered = False
+        self._calls = 0
+        self._group = None
+        self._pending = None  # (work, flag) of the all-reduce started at the last check
 
     def __enter__(self) -> "PreemptionGuard":
         if not _state.installed:
@@ -225,6 +240,8 @@ class PreemptionGuard:
                 "torch_config=TPUTorchConfig()); elsewhere call "
                 "ray_train_tpu.checkpoint.preemption.install_handler() on the process's main thread first."
             )
+        self._group = _flag_group()
+        self._calls, self._pending = 0, None
         with _state.lock:
             _state.grace_period_s = self.grace_period_s
             _state.noticed_at = None
@@ -233,6 +250,7 @@ class PreemptionGuard:
 
     def __exit__(self, *exc) -> None:
         self._entered = False
+        self._pending = None  # every rank started it: it completes without us
         _reset()
 
     def noticed(self) -> bool:
@@ -240,8 +258,10 @@ class PreemptionGuard:
         return _state.noticed_at is not None
 
     def requested(self) -> bool:
-        """True on every rank if any rank has a notice (its SIGTERM, or Ray's). A
-        collective: call it on every rank at the same step boundaries."""
+        """True on every rank if any rank has a notice (its SIGTERM, or Ray's),
+        read one check late: the result of the all-reduce started at the previous
+        check, while this check's starts without blocking. A collective: call it
+        on every rank at the same step boundaries."""
         import torch
         import torch.distributed as dist
 
@@ -249,11 +269,20 @@ class PreemptionGuard:
 
         if not self._entered:
             raise RuntimeError("PreemptionGuard.requested() outside `with PreemptionGuard(...)`")
+        self._calls += 1
+        if self._calls % self.check_every:
+            return False
         local = self.noticed() or compat_ray.preemption_pending()
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self._flag_device())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if self._group is None:  # one process: nothing to agree on
+            return local
+        previous = self._pending
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        if previous is None:
+            return False
+        work, answer = previous
+        work.wait()  # started a check ago: done by now, short of a rank that is behind
+        return bool(answer.item())
 
     def stop(self) -> NoReturn:
         """End this attempt after the preemption checkpoint was reported (every rank).
@@ -288,12 +317,23 @@ class PreemptionGuard:
             return cap
         return max(0.0, min(cap, self.grace_period_s - (time.monotonic() - _state.noticed_at)))
 
-    def _flag_device(self):
-        if self._device is None:
-            from ray_train_tpu.device import get_device
 
-            self._device = get_device()
-        return self._device
+# The host group `requested` all-reduces its flags on, per default process group.
+_flag_groups: dict = {}
+
+
+def _flag_group():
+    """A gloo group over every rank of the default process group (created once per
+    group; a collective, as `PreemptionGuard.__enter__` runs on every rank), or
+    ``None`` without one or with one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    default = dist.group.WORLD
+    if _flag_groups.get("default") is not default:
+        _flag_groups.update(default=default, group=dist.new_group(backend="gloo"))
+    return _flag_groups["group"]
 
 
 def _wait_for(condition, timeout_s: float, interval_s: float = 0.1) -> bool:

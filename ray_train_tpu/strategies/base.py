@@ -44,6 +44,15 @@ if TYPE_CHECKING:
 STRATEGIES: dict[str, type["Strategy"]] = {}
 """Every strategy class by its ``name``; each registers itself when its module is imported."""
 
+# The strategy whose `setup` ran last in this process: its layout decides how
+# `ray_train_tpu.data` shards when no rank is given (`prepare.data_parallel_shard`).
+_active: Optional["Strategy"] = None
+
+
+def active_strategy() -> Optional["Strategy"]:
+    """The strategy whose ``setup`` built this process's mesh last, or ``None``."""
+    return _active
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy(abc.ABC):
@@ -67,6 +76,7 @@ class Strategy(abc.ABC):
             STRATEGIES[name] = cls
     # Worker-local runtime state, set by `setup`; never compared, printed or pickled.
     _mesh: Optional["DeviceMesh"] = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _mesh_layout: Optional[MeshLayout] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # Driver side ---------------------------------------------------------
     def validate(self, topology: Optional["Topology"], num_slices: int, world_size: int) -> MeshLayout:
@@ -93,7 +103,19 @@ class Strategy(abc.ABC):
         mesh = build_device_mesh(layout, torch.device(device).type)
         # The settings are frozen; the mesh is per-process state that only setup writes.
         object.__setattr__(self, "_mesh", mesh)
+        self._activate(layout)
         return mesh
+
+    def _activate(self, layout: MeshLayout) -> None:
+        """Record `layout` as this process's mesh (`active_strategy`)."""
+        global _active
+        object.__setattr__(self, "_mesh_layout", layout)
+        _active = self
+
+    @property
+    def mesh_layout(self) -> Optional[MeshLayout]:
+        """The layout `setup` built in this process, or ``None`` before it."""
+        return self._mesh_layout
 
     @property
     def device_mesh(self) -> "DeviceMesh":
@@ -126,6 +148,7 @@ class Strategy(abc.ABC):
         # A strategy shipped to another process must not carry this one's mesh.
         state = dict(self.__dict__)
         state.pop("_mesh", None)
+        state.pop("_mesh_layout", None)
         return state
 
 

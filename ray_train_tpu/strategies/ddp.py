@@ -62,7 +62,7 @@ class DDPStrategy(Strategy):
         self, device: "torch.device", world_size: int, topology: Optional["Topology"] = None, num_slices: int = 1
     ) -> Optional["DeviceMesh"]:
         """Check the job; DDP uses the default process group, so no mesh is built."""
-        self.validate(topology, num_slices, world_size)
+        self._activate(self.validate(topology, num_slices, world_size))
         return None
 
     @property

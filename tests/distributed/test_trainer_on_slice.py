@@ -1,7 +1,9 @@
 """TPUTorchTrainer on a simulated v4 2x2x1 slice (one host, 4 chips).
 
-1. Numerical equivalence: DDP, FSDP2, TP and FSDP2+TP give the parameters of a
-   single-process reference trained on the full batch.
+1. Numerical equivalence: DDP, FSDP2, TP and FSDP2+TP give the parameters and
+   losses of a single-process reference trained on the full batch, with data from
+   ``stateful_dataloader`` (and Ray's ``prepare_data_loader``) sharded by the
+   strategy's data-parallel ranks: tensor-parallel peers read the same rows.
 2. Drop-in: an ordinary TorchTrainer training loop runs unchanged, on the
    simulated "tpu" device (Ray's own prepare_data_loader moves its batches).
 3. A planted slip (a host batch fed to the device model) fails as on a TPU,
@@ -43,39 +45,67 @@ def _batch(step):
     return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
 
 
+def _dataset():
+    """Every step's batch in step order, each row with its index."""
+    from torch.utils.data import TensorDataset
+
+    xs, ys = zip(*(_batch(step) for step in range(STEPS)))
+    x, y = torch.cat(xs), torch.cat(ys)
+    return TensorDataset(torch.arange(len(x)), x, y)
+
+
 def _reference():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
     for step in range(STEPS):
         x, y = _batch(step)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
         opt.step()
-    return model.state_dict()
+        losses.append(loss.item())
+    return model.state_dict(), losses
 
 
 def _equivalence_loop(config):
+    """Train on the batches of `stateful_dataloader` (no rank given: the strategy's
+    data-parallel ranks), and record which rows each rank read, the rows Ray's
+    own ``prepare_data_loader`` would have given it, its losses and its
+    tensor-parallel peers as torch's DeviceMesh has them."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.utils.data import DataLoader
 
+    import ray.train.torch
     import ray_train_tpu
+    from ray_train_tpu.data import stateful_dataloader
     from ray_train_tpu.prepare import current_strategy
 
     device = ray_train_tpu.get_device()
     model = ray_train_tpu.prepare_model(_mlp())
-    shard = current_strategy().distributed_sampler_kwargs
+    data = _dataset()
+    loader = stateful_dataloader(data, global_batch_size=GLOBAL_BATCH, shuffle=False)
+    ray_loader = ray.train.torch.prepare_data_loader(DataLoader(data, batch_size=loader.batch_size))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = _batch(step)
-        rows = slice(shard["rank"] * GLOBAL_BATCH // shard["num_replicas"],
-                     (shard["rank"] + 1) * GLOBAL_BATCH // shard["num_replicas"])
+    ids, losses = [], []
+    for idx, x, y in loader:
         opt.zero_grad()
-        nn.functional.mse_loss(model(x[rows].to(device)), y[rows].to(device)).backward()
+        loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
         opt.step()
+        ids.append(idx.tolist())
+        losses.append(loss.item())
+    mesh = current_strategy()._mesh
+    record = {
+        "ids": ids, "losses": losses, "ray_ids": [idx.cpu().tolist() for idx, _, _ in ray_loader],
+        "tp_peers": mesh["tp"].mesh.flatten().tolist() if mesh is not None else [dist.get_rank()],
+        "shard": current_strategy().distributed_sampler_kwargs,
+    }
+    Path(config["out"], f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save({k: v.clone() for k, v in full.items()}, Path(config["out"]) / "params.pt")
-        Path(config["out"], "shard.json").write_text(json.dumps(shard))
 
 
 _TP_PLAN = None
@@ -109,13 +139,29 @@ def test_strategy_matches_single_process_reference(sim, tmp_path, name):
     ).fit()
     assert result.error is None
     got = torch.load(out / "params.pt")
-    want = _reference()
+    want, want_losses = _reference()
     assert set(got) == set(want)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < ATOL, f"{name}: max abs diff {worst:.3g}"
-    shard = json.loads((out / "shard.json").read_text())
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     expected_replicas = {"ddp": 4, "fsdp2": 4, "tp": 1, "fsdp2+tp": 2}[name]
-    assert shard["num_replicas"] == expected_replicas
+    assert {rank["shard"]["num_replicas"] for rank in ranks} == {expected_replicas}
+    # Tensor-parallel peers (torch's DeviceMesh "tp" groups) read identical batches,
+    # data-parallel groups disjoint ones that make up each step's global batch;
+    # Ray's prepare_data_loader hands every rank the same rows as stateful_dataloader.
+    groups = {tuple(rank["tp_peers"]) for rank in ranks}
+    assert len(groups) == expected_replicas
+    for rank in ranks:
+        assert rank["ray_ids"] == rank["ids"] and len(rank["ids"]) == STEPS
+        assert all(ranks[peer]["ids"] == rank["ids"] and ranks[peer]["losses"] == rank["losses"]
+                   for peer in rank["tp_peers"])
+    for step in range(STEPS):
+        rows = [i for group in groups for i in ranks[group[0]]["ids"][step]]
+        assert sorted(rows) == list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)), (name, step)
+        # the mean of the replicas' losses is the full batch's (equal shards); the
+        # parameters it is taken at differ by reduction order only, as above
+        mean = sum(ranks[group[0]]["losses"][step] for group in groups) / len(groups)
+        assert mean == pytest.approx(want_losses[step], rel=ATOL), (name, step)
 
 
 # --- drop-in: an ordinary TorchTrainer script, unchanged ---------------------

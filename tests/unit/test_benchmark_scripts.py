@@ -31,12 +31,26 @@ def test_step_overhead_defaults_are_the_small_simulated_slice():
 
 
 @pytest.mark.parametrize("argv", [["--launchers", "ours,mpirun"], ["--launchers", ","], ["--steps", "0"],
-                                  ["--device", "rocm"], ["--peak-tflops", "-1"], ["--warmup-steps", "-1"]])
+                                  ["--device", "rocm"], ["--peak-tflops", "-1"], ["--warmup-steps", "-1"],
+                                  ["--preemption-checks", "none,bogus"], ["--preemption-checks", "guard,guard"],
+                                  ["--preemption-checks", "none,guard"]])  # the default launchers include TorchTrainer
 def test_step_overhead_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:
         step_overhead.parse_args(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_step_overhead_pairs_each_preemption_check_with_none_by_repeat():
+    args = step_overhead.parse_args(["--launchers", "torchrun", "--preemption-checks", "none,guard"])
+    assert args.preemption_checks == ["none", "guard"]
+    runs = [{"launcher": "torchrun", "preemption_check": check, "repeat": r, "steps_per_s": rate,
+             "cpu_ms_per_step": 10.0} for r, (a, b) in enumerate([(10.0, 9.0), (20.0, 19.0)])
+            for check, rate in (("none", a), ("guard", b))]
+    got = step_overhead.summarize_preemption_checks(runs, ["none", "guard"])["torchrun"]
+    assert got["none"]["median_steps_per_s"] == 15.0 and got["none"]["paired_over_none"] is None
+    paired = got["guard"]["paired_over_none"]["steps_per_s"]
+    assert paired["pairs"] == 2 and paired["per_repeat"] == pytest.approx([0.9, 0.95])
 
 
 def test_step_overhead_on_tpu_runs_ours_alone(capsys):

@@ -370,3 +370,60 @@ def test_elastic_preemption_and_hang_seams_exist():
     next(it)
     assert compat_torch.batches_yielded(it) == 1
     assert compat_ray.drain_node("ab" * 28, 5, "test")[0] is False  # not connected: refused, no exception
+
+
+def test_ray_prepare_functions_are_routed_on_train_v2_and_v1(monkeypatch):
+    """Train v2's ``ray.train.torch.prepare_model`` never calls ``_TorchAccelerator``:
+    the routing replaces the functions themselves, in every module that holds them."""
+    import importlib
+
+    from ray.train.torch.train_loop_utils import _TorchAccelerator
+
+    monkeypatch.setattr(compat_ray, "_ray_originals", {})
+    monkeypatch.setattr(_TorchAccelerator, "prepare_model", _TorchAccelerator.prepare_model)
+    modules = [importlib.import_module(name) for name in compat_ray._RAY_PREPARE_MODULES]
+    for module in modules:
+        for attr in ("prepare_model", "prepare_data_loader"):
+            monkeypatch.setattr(module, attr, getattr(module, attr))
+    import ray.train.torch
+    from ray.train.v2._internal.constants import is_v2_enabled
+    from ray.train.v2.torch import train_loop_utils as v2
+
+    assert is_v2_enabled() and ray.train.torch.prepare_model is v2.prepare_model  # what users call
+    calls = []
+    compat_ray.route_ray_prepare(lambda *a: calls.append(a) or "ours", lambda: None)
+    assert ray.train.torch.prepare_model("m") == "ours" and v2.prepare_model("m", parallel_strategy=None) == "ours"
+    assert _TorchAccelerator().prepare_model("m") == "ours" and len(calls) == 3
+    assert all(m.prepare_data_loader is ray.train.torch.prepare_data_loader for m in modules)
+    assert compat_ray._ray_originals["prepare_data_loader"] is not ray.train.torch.prepare_data_loader
+
+
+def test_the_data_parallel_sampler_rebuilds_the_loader_as_ray_does():
+    """The loader arguments Ray 2.60's prepare_data_loader passes when it adds its
+    sampler (read from its source) are all kept; only the sampler's ranks differ."""
+    import ast
+    import textwrap
+
+    import torch.distributed as dist
+    from ray.train.v2.torch import train_loop_utils as v2
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(v2.prepare_data_loader)))
+    ray_args = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", "") == "data_loader_args")
+    keys = {k.value for k in ray_args.keys} - {"dataset", "sampler", "shuffle"}
+    assert keys == {"batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                    "worker_init_fn", "generator"}
+    original = DataLoader(list(range(16)), batch_size=3, drop_last=True, timeout=7, generator=torch.Generator(),
+                          collate_fn=lambda b: b, worker_init_fn=lambda i: None, shuffle=True)
+    dist.init_process_group("fake", rank=3, world_size=4, store=FakeStore())
+    try:
+        rebuilt = compat_ray._with_data_parallel_sampler(original, (1, 2))
+        assert compat_ray._with_data_parallel_sampler(original, (3, 4)) is original  # Ray's own is right
+    finally:
+        dist.destroy_process_group()
+    assert all(getattr(rebuilt, k) is getattr(original, k) or getattr(rebuilt, k) == getattr(original, k)
+               for k in keys)
+    assert isinstance(rebuilt.sampler, DistributedSampler) and rebuilt.dataset is original.dataset
+    assert (rebuilt.sampler.rank, rebuilt.sampler.num_replicas, rebuilt.sampler.shuffle) == (1, 2, True)

@@ -324,3 +324,64 @@ def test_the_epoch_after_a_world_size_change_is_whole():
     epoch1 = [[i for b in _epochs(l, 2, start=1) for i in b] for l in loaders]
     assert len(set(epoch1[0] + epoch1[1])) == 2 * (N // 2 // 3 * 3)  # whole batches of 3 on each rank
     assert epoch1 == [[i for b in _epochs(l, 2, start=1) for i in b] for l in _world(2, N, 6)]
+
+
+# --- sharding by the strategy's data-parallel ranks ---------------------------
+
+@pytest.fixture
+def fake_rank_3_of_4(monkeypatch):
+    """Rank 3 of a 4-rank job on torch's fake process group, no strategy yet."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ray_train_tpu import prepare
+    from ray_train_tpu.strategies import base
+
+    monkeypatch.setattr(base, "_active", None)
+    monkeypatch.setattr(prepare, "_context", None)
+    dist.init_process_group("fake", rank=3, world_size=4, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _tp2():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from ray_train_tpu.strategies import FSDP2TPStrategy
+
+    return FSDP2TPStrategy(tp_size=2, plan={"0": ColwiseParallel()})
+
+
+def _shard(loader):
+    return loader.sampler.rank, loader.sampler.num_replicas
+
+
+def test_without_a_mesh_the_loader_shards_by_the_process_group(fake_rank_3_of_4):
+    assert _shard(stateful_dataloader(list(range(16)), batch_size=2)) == (3, 4)
+
+
+@pytest.mark.parametrize("where", ["setup", "trainer_context"])
+def test_tensor_parallel_peers_share_a_shard(fake_rank_3_of_4, where):
+    """fsdp2+tp with tp_size=2 on 4 ranks: rank 3 is data-parallel rank 1 of 2,
+    after the strategy built its mesh, and before that inside a TPUTorchTrainer
+    worker (the loader is often built before prepare_model)."""
+    from ray_train_tpu import prepare
+
+    strategy = _tp2()
+    if where == "setup":
+        strategy.setup("cpu", 4)
+    else:
+        prepare.set_context(prepare.StrategyContext(strategy=strategy))
+    assert prepare.data_parallel_shard() == (1, 2)
+    loader = stateful_dataloader(list(range(16)), global_batch_size=4, shuffle=False)
+    assert _shard(loader) == (1, 2) and loader.batch_size == 2
+    assert [b.tolist() for b in loader] == [[1, 3], [5, 7], [9, 11], [13, 15]]
+
+
+def test_an_explicit_rank_that_contradicts_the_mesh_is_refused(fake_rank_3_of_4):
+    _tp2().setup("cpu", 4)
+    with pytest.raises(ValueError, match=(
+            r"stateful_dataloader\(rank=3, world_size=4\) contradicts the job's device mesh: this process is "
+            r"data-parallel rank 1 of 2.*pass rank=1, world_size=2")):
+        stateful_dataloader(list(range(16)), batch_size=2, rank=3, world_size=4)
+    assert _shard(stateful_dataloader(list(range(16)), batch_size=2, rank=1, world_size=2)) == (1, 2)

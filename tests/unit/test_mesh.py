@@ -153,3 +153,57 @@ def test_build_device_mesh_checks_the_process_group(monkeypatch):
         assert mesh.mesh_dim_names == DIM_NAMES and mesh.mesh.tolist() == [[[0]]]
     finally:
         dist.destroy_process_group()
+
+
+# --- data-parallel ranks: which ranks read the same batch --------------------
+
+@settings(max_examples=200, deadline=None)
+@given(jobs())
+def test_data_parallel_ranks_split_tp_groups_apart_and_keep_their_members_together(job):
+    """Ranks of one ``tp`` group share a data-parallel rank; different groups
+    have different ones, numbered 0..dp_size-1 (checked against `groups`, the
+    row-major rank groups of init_device_mesh)."""
+    topology, num_slices, tp_size, fsdp = job
+    layout = mesh_layout_for(topology, num_slices=num_slices, tp_size=tp_size, fsdp=fsdp)
+    dp = [layout.data_parallel(r) for r in range(layout.world_size)]
+    assert {size for _, size in dp} == {layout.world_size // tp_size}
+    tp_groups = groups(layout, "tp")
+    assert all(len({dp[r][0] for r in g}) == 1 for g in tp_groups)
+    assert sorted(dp[g[0]][0] for g in tp_groups) == list(range(len(tp_groups)))
+
+
+@pytest.mark.parametrize("shape, names", [
+    ((2, 2, 2), DIM_NAMES), ((1, 4, 2), DIM_NAMES), ((4, 1, 1), DIM_NAMES), ((1, 1, 4), DIM_NAMES),
+    ((2, 3), ("tp", "dp_shard")),  # a user's ModelParallelStrategy mesh: dp need not be outermost
+])
+def test_data_parallel_ranks_match_torchs_device_mesh(shape, names):
+    """`MeshLayout.data_parallel` against torch's own ``init_device_mesh`` (on
+    torch's fake process group): the same coordinates for every rank, and the
+    peers that share a data-parallel rank are exactly the ranks of torch's
+    sub-mesh over the other dimensions."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    layout = MeshLayout(shape=shape, dim_names=names)
+    others = tuple(n for n in names if not n.startswith("dp"))
+    for rank in range(layout.world_size):
+        dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            dp_rank, dp_size = layout.data_parallel(rank)
+            peers = set(mesh[others].mesh.flatten().tolist()) if others else {rank}
+            coords = dict(zip(names, mesh.get_coordinate()))
+        finally:
+            dist.destroy_process_group()
+        assert {r for r in range(layout.world_size) if layout.data_parallel(r)[0] == dp_rank} == peers
+        dp_names = [n for n in names if n.startswith("dp")]
+        want = 0
+        for n in dp_names:
+            want = want * layout.size(n) + coords[n]
+        assert (dp_rank, dp_size) == (want, layout.world_size // max(1, len(peers)))
+
+
+def test_data_parallel_rejects_a_rank_outside_the_mesh():
+    with pytest.raises(ValueError, match=r"rank=8 is not a rank of mesh .*ranks are 0..7"):
+        mesh_layout(8, tp_size=2).data_parallel(8)

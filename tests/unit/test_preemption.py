@@ -17,34 +17,70 @@ from ray_train_tpu.testing import gloo as _spawn
 
 
 def _notice_on_rank_1(rank, world_size):
-    import torch
     import torch.distributed as dist
 
     preemption.install_handler()
-    out = {}
-    with preemption.PreemptionGuard(grace_period_s=60, device=torch.device("cpu")) as guard:
+    out, started = {}, []
+    real = dist.all_reduce
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        started.append((str(tensor.device), async_op, dist.get_backend(group)))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    with preemption.PreemptionGuard(grace_period_s=60) as guard:
         out["before"] = guard.requested()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the guard is armed
         dist.barrier()
         out["noticed"] = guard.noticed()
+        out["next"] = guard.requested()  # reads the check started before the notice
         out["after"] = guard.requested()
         try:
             guard.stop()
         except preemption.Preempted as e:
             out["stopped"] = str(e)
     out["disarmed"] = not preemption._state.noticed_at and preemption._state.grace_period_s is None
+    out["started"], started[:] = list(started), []
+    with preemption.PreemptionGuard(grace_period_s=60, check_every=3) as guard:
+        out["every_3"] = []
+        for call in range(1, 10):
+            if call == 4:
+                if rank == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                dist.barrier()
+            out["every_3"].append(guard.requested())
+    out["started_every_3"] = len(started)
+    dist.all_reduce = real
+    out["default_backend"] = dist.get_backend()
     return out
 
 
-def test_a_notice_on_one_rank_is_requested_on_every_rank():
-    results = _spawn.run(_notice_on_rank_1, 2)
+def test_a_notice_on_one_rank_is_requested_on_every_rank_one_check_late_without_blocking():
+    """On the simulated tpu_dist group: `requested` starts a non-blocking
+    all-reduce of a host flag on a gloo group at each check and answers with the
+    previous check's, so every rank sees a notice at the same call, one check
+    after it; ``check_every=3`` starts one all-reduce per 3 calls."""
+    results = _spawn.run(_notice_on_rank_1, 2, simulate_tpu=True)
+    assert [r["default_backend"] for r in results] == ["tpu_dist", "tpu_dist"]
     assert [r["before"] for r in results] == [False, False]
     assert [r["noticed"] for r in results] == [False, True]
+    assert [r["next"] for r in results] == [False, False]
     assert [r["after"] for r in results] == [True, True]
+    assert all(r["started"] == [("cpu", True, "gloo")] * 3 for r in results), results[0]["started"]
     # Outside a Ray Train worker Ray cannot learn of it: stop() says so and raises.
     assert all("Ray Train never learned of the preemption" in r["stopped"] for r in results)
     assert all(r["disarmed"] for r in results)
+    assert all(r["every_3"] == [False] * 8 + [True] for r in results), [r["every_3"] for r in results]
+    assert all(r["started_every_3"] == 3 for r in results)
+
+
+def test_check_every_is_a_positive_integer_and_device_is_ignored_with_a_warning(caplog):
+    with pytest.raises(ValueError, match="check_every"):
+        preemption.PreemptionGuard(check_every=0)
+    with caplog.at_level(logging.WARNING):
+        preemption.PreemptionGuard(device="cpu")
+    assert "ignoring PreemptionGuard(device='cpu')" in caplog.text
 
 
 def _unarmed_passes_sigterm_on(rank, world_size):
