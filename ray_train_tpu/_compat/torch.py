@@ -227,3 +227,10 @@ def batches_yielded(loader_iterator) -> int:
     (``_BaseDataLoaderIter._num_yielded``; torchdata's StatefulDataLoader
     restores it when it resumes an iterator)."""
     return int(getattr(loader_iterator, "_num_yielded", 0))
+
+
+def batches_in_loader_state(loader_state: dict) -> int:
+    """Batches the epoch's iterator had handed out when torchdata's
+    ``StatefulDataLoader.state_dict()`` was taken (its ``_num_yielded``; 0 for
+    a fresh state)."""
+    return int((loader_state or {}).get("_num_yielded", 0) or 0)
