@@ -13,6 +13,7 @@ is what ``torch.utils.backend_registration`` itself reads.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import TYPE_CHECKING
 
@@ -203,20 +204,23 @@ def carry_barrier_device_ids(local_rank: int) -> None:
         barrier._ray_train_tpu_local_rank = local_rank
         return
 
+    signature = inspect.signature(barrier)
+
     @functools.wraps(barrier)
-    def tpu_barrier(group=None, async_op=False, device_ids=None, **kwargs):
+    def tpu_barrier(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        device_ids = bound.arguments.get("device_ids")
         if device_ids is not None:
             ids = [device_ids] if isinstance(device_ids, int) else list(device_ids)
             mine = tpu_barrier._ray_train_tpu_local_rank
-            if ids in ([mine], [0]):
-                device_ids = [0]
-            else:
+            if ids not in ([mine], [0]):
                 raise ValueError(
                     f"dist.barrier(device_ids={device_ids!r}): this TPU worker has one device (local rank {mine}); "
                     f"torch_tpu's tpu_dist accepts only device_ids=[0]. Leave device_ids out, or pass "
                     f"[{mine}] (LOCAL_RANK, mapped to [0] here) or [0]"
                 )
-        return barrier(group=group, async_op=async_op, device_ids=device_ids, **kwargs)
+            bound.arguments["device_ids"] = [0]
+        return barrier(*bound.args, **bound.kwargs)
 
     tpu_barrier._ray_train_tpu_local_rank = local_rank
     dist.barrier = tpu_barrier

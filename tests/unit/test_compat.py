@@ -375,6 +375,12 @@ def test_elastic_preemption_and_hang_seams_exist():
         dump = torch._C._dispatch_dump(f"c10d::{name}" if name in compat_torch.COUNTED_C10D_OPS else f"_c10d_functional::{name}")
         assert not any(line.startswith(compat_torch.COUNTING_KEYS) for line in dump.splitlines()) or compat_torch._counter
     assert callable(torch._C._AutoDispatchBelowAutograd)
+    # the hang watch finds the training function's thread by Ray Train 2.60's name for it
+    from ray.train.v2._internal.execution.worker_group import thread_runner
+
+    from ray_train_tpu import hang
+
+    assert f'name=f"{hang._TRAINING_THREAD}' in inspect.getsource(thread_runner)
     assert hasattr(dist.ProcessGroup, "group_name")
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
     it = iter(loader)
