@@ -135,6 +135,9 @@ def install_collective_counter() -> None:
 def _counting_kernel(op, group_name_at=None):
     import torch
 
+    call = op._op  # the C++ callable (OpOverload.__call__ adds Python-side checks to every call)
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+
     def kernel(*args, **kwargs):
         depth = getattr(_nesting, "depth", 0)
         if depth == 0:  # a collective that runs another inside (functional -> c10d, the simulated host twin) counts once
@@ -144,8 +147,8 @@ def _counting_kernel(op, group_name_at=None):
                 _count_name(args[group_name_at] if group_name_at < len(args) else kwargs["group_name"])
         _nesting.depth = depth + 1
         try:
-            with torch._C._AutoDispatchBelowAutograd():
-                return op(*args, **kwargs)
+            with below_autograd():
+                return call(*args, **kwargs)
         finally:
             _nesting.depth = depth
 

@@ -374,7 +374,7 @@ def test_elastic_preemption_and_hang_seams_exist():
     for name in compat_torch.COUNTED_C10D_OPS + compat_torch.COUNTED_FUNCTIONAL_OPS:  # no autograd kernel to replace
         dump = torch._C._dispatch_dump(f"c10d::{name}" if name in compat_torch.COUNTED_C10D_OPS else f"_c10d_functional::{name}")
         assert not any(line.startswith(compat_torch.COUNTING_KEYS) for line in dump.splitlines()) or compat_torch._counter
-    assert callable(torch._C._AutoDispatchBelowAutograd)
+    assert callable(torch._C._AutoDispatchBelowAutograd) and callable(torch.ops.c10d.allreduce_.default._op)
     # the hang watch finds the training function's thread by Ray Train 2.60's name for it
     from ray.train.v2._internal.execution.worker_group import thread_runner
 

@@ -24,11 +24,13 @@ TORCH = "_".join(torch.__version__.split("+")[0].split(".")[:3])
 
 @pytest.fixture(scope="module")
 def binary():
-    # the [tpu] extra, which make test installs: never skipped. Imported here, not at the top: the
-    # spawned ranks import this module, and torch_tpu there would take the simulated 'tpu' device's slot
-    import torch_tpu
+    # the [tpu] extra, which make test installs: never skipped. Found, not imported (importing loads
+    # libtpu, and in the spawned ranks, which import this module, would take the simulated device's slot)
+    import importlib.util
 
-    lib = Path(torch_tpu.__file__).parent / "csrc" / "common" / f"glue_{TORCH}" / f"libpywrap_{TORCH}_common.so"
+    spec = importlib.util.find_spec("torch_tpu")
+    assert spec is not None, "torch_tpu is not installed (make setup installs the [tpu] extra)"
+    lib = Path(spec.origin).parent / "csrc" / "common" / f"glue_{TORCH}" / f"libpywrap_{TORCH}_common.so"
     symbols = subprocess.run(["nm", "-DC", "--defined-only", str(lib)], capture_output=True, text=True,
                              check=True).stdout
     data = lib.read_bytes()
