@@ -149,7 +149,7 @@ class HangDetector:
         finished = tuple(sorted(self._finished & set(missing)))
         if missing:
             return Hang(missing, unresponsive, waiting, stalled, finished)
-        if self._armed and self._counters and not self._asked_at:
+        if self._armed and self._counters:
             # every rank answers and agrees, none steps: a loop that spins (or a step longer than the timeout)
             return Hang(tuple(sorted(self._counters)), (), {}, stalled, tuple(sorted(self._finished)), no_step=True)
         return None  # every rank busy alone before the first step (a compile): not a hang

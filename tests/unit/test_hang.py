@@ -152,7 +152,9 @@ def test_a_loop_that_stepped_and_stops_stepping_is_a_hang_but_a_first_compile_is
     for rank, counters in enumerate(_world([3, 3, 3, 3])):
         stepped.observe(rank, counters, now=0, steps=1)
     for rank, counters in enumerate(_world([3, 3, 3, 3])):
+        stepped.asked(rank, now=4)  # the watch asks every round, before it judges
         stepped.observe(rank, counters, now=4, steps=1)  # the same answers: no progress
+        stepped.asked(rank, now=5)
     assert stepped.verdict(now=4.9) is None
     hang = stepped.verdict(now=5.1)
     assert hang.no_step and hang.missing_ranks == (0, 1, 2, 3)
