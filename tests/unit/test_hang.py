@@ -311,3 +311,24 @@ def test_entries_counted_on_the_simulated_tpu_dist_name_the_ranks_and_frames_of_
         else:  # rank 1's training function returned
             assert answers[1][phase]["finished"] is True and "no training thread" in answers[1][phase]["frame"]
             assert "rank(s) 1 had returned from the training function (left the loop early)" in message
+
+
+def test_the_watch_reports_a_loop_that_takes_no_step(monkeypatch):
+    """Every rank answers each round with the same counters after having stepped (a loop over a
+    loader with nothing left): the watch fails the attempt after the timeout, naming every rank."""
+    import ray
+
+    monkeypatch.setattr(ray, "get", _get)
+    clock = [0.0]
+    answer = {"collectives": {"0": ((0, 1), 9)}, "steps": 4, "frame": "__next__ (data.py:1) in train (t.py:3)"}
+    watch = CollectiveWatch(lambda rank: _Ref(answer), 2, HangDetector(6, HOSTS[:2], now=0),
+                            wait=lambda refs, num_returns, timeout: (refs, []), clock=lambda: clock[0])
+    for t in range(0, 7):
+        clock[0] = float(t)
+        watch.poll()
+    clock[0] = 8.0
+    with pytest.raises(CollectiveHangError) as caught:
+        watch.poll()
+    assert caught.value.missing_ranks == (0, 1)
+    assert "training hang: no rank took a step or entered a collective" in str(caught.value)
+    assert "rank 1 (10.0.0.1 (s0)): __next__ (data.py:1) in train (t.py:3)" in str(caught.value)
