@@ -198,9 +198,10 @@ def hang_message(hang: Hang, detector: HangDetector, frames: Optional[dict] = No
                          "(left the loop early)")
         if hang.unresponsive_ranks:
             parts.append(f"; rank(s) {ranges(hang.unresponsive_ranks)} did not even answer (a frozen process or host)")
-    shown = sorted(set(hang.missing_ranks) | {r for _, (_, leaders) in hang.waiting.items() for r in leaders})
+    # the missing ranks first, then those that wait for them
+    shown = list(hang.missing_ranks) + sorted(set(frames) - set(hang.missing_ranks))
     where = [f"rank {r} ({detector.hosts[r] if r < len(detector.hosts) else '?'}): {frames[r]}"
-             for r in shown[:_MAX_FRAMES] if r in frames]
+             for r in shown if r in frames][:_MAX_FRAMES]
     if where:
         parts.append(". Where each training thread waits: " + "; ".join(where))
     parts.append(
