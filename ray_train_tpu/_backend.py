@@ -176,10 +176,13 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
         progress for `timeout_s` (`ray_train_tpu.hang`), from Ray Train's poll."""
         hosts = [f"{placement.hosts[_node_rank(rank, placement)]} ({report.slice_name})"
                  for rank, report in enumerate(reports)]
+        # c10d has no collective counters on tpu_dist: each worker counts its own entries and steps
+        worker_group.execute(_worker_fns.start_progress_probes)
         watch = CollectiveWatch(
             ask=lambda rank: worker_group.execute_single_async(rank, _worker_fns.collective_progress),
             num_ranks=len(reports),
             detector=HangDetector(timeout_s, hosts, now=time.monotonic()),
+            dump=_py_spy_on_host,
         )
 
         def on_poll(preempting: bool, failing: bool) -> None:
@@ -202,6 +205,17 @@ class _TPUTorchBackend(compat_ray.RayTorchBackend):
             ray.get(futures, timeout=30)
         except ray.exceptions.GetTimeoutError:
             logger.warning("ray_train_tpu: process group shutdown timed out after 30 s")
+
+
+def _py_spy_on_host(pid: int, node_id: Optional[str]):
+    """An ObjectRef of `hang.py_spy_frame(pid)`, run on the node of `pid` (a
+    frozen worker cannot answer for itself)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_train_tpu import hang
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False) if node_id else "DEFAULT"
+    return ray.remote(hang.py_spy_frame).options(num_cpus=0, scheduling_strategy=strategy, max_retries=0).remote(pid)
 
 
 class _RendezvousTimeout(TimeoutError):

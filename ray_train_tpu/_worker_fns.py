@@ -191,6 +191,10 @@ def join_process_group(backend: str, world_rank: int, world_size: int, timeout_s
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    if backend == "tpu_dist":  # dist.barrier(device_ids=[LOCAL_RANK]) means this process's one device: [0]
+        from ray_train_tpu._compat import torch as compat_torch
+
+        compat_torch.carry_barrier_device_ids(int(_environ.get(C.LOCAL_RANK) or 0))
 
 
 def leave_process_group() -> None:
@@ -200,10 +204,19 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def collective_progress() -> dict:
-    """For the backend's hang watch (`ray_train_tpu.hang`): how many collectives
-    this worker issued in each of its process groups, {name: (ranks, count)}.
-    Runs on the actor's own thread while the training thread may be blocked."""
-    from ray_train_tpu._compat import torch as compat_torch
+def start_progress_probes() -> None:
+    """For the backend's hang watch (`ray_train_tpu.hang`): count this worker's
+    collective entries and optimizer steps from now on (before training starts)."""
+    from ray_train_tpu import hang
 
-    return compat_torch.collective_sequence_numbers()
+    hang.install_worker_probes()
+
+
+def collective_progress() -> dict:
+    """For the backend's hang watch (`ray_train_tpu.hang`): this worker's
+    collectives entered per process group, optimizer steps and training-thread
+    frame (`hang.worker_progress`). Runs on the actor's own thread while the
+    training thread may be blocked."""
+    from ray_train_tpu import hang
+
+    return hang.worker_progress()

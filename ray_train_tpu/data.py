@@ -190,6 +190,7 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
         if not resharding:
             self.sampler.start = state_dict.get("start", 0)
             super().load_state_dict(state_dict["loader"])
+            self._next_epoch_if_read_to_its_end(state_dict["loader"], self.sampler.start > 0)
             return
         if "consumed" not in state_dict:
             raise ValueError("stateful_dataloader: the state has no 'consumed' position (saved by an older "
@@ -199,6 +200,23 @@ class ShardedStatefulDataLoader(StatefulDataLoader):
         logger.info("ray_train_tpu.data: epoch %d resumes at sample %d of %d, re-sharded from %d to %d ranks",
                     self._epoch, state_dict["consumed"], saved["num_samples"], saved["world_size"],
                     self._sharding["world_size"])
+        self._next_epoch_if_read_to_its_end({}, state_dict["consumed"] > 0)
+
+    def _next_epoch_if_read_to_its_end(self, loader_state: dict, resharded_mid_epoch: bool) -> None:
+        """A state saved on an epoch's last step (before its iterator noticed the
+        end; or whose rest holds no batch for this world size) resumes at the next
+        epoch's start, as a state saved after the end does. Otherwise this loader
+        yields nothing in the restored epoch, and a loop over it takes no step.
+        (An epoch too small to give this world any batch at all stays as it is.)"""
+        read = compat_torch.batches_in_loader_state(loader_state)
+        if len(self) > read or not (read or resharded_mid_epoch):
+            return
+        leftover = list(self)  # the restored iterator ends at once (drawing what it draws)
+        if leftover:
+            raise RuntimeError(f"stateful_dataloader: {len(leftover)} batch(es) left where none were expected")
+        logger.info("ray_train_tpu.data: epoch %d was read to its end; resuming at the start of epoch %d",
+                    self._epoch, self._epoch + 1)
+        self.set_epoch(self._epoch + 1)
 
     def _check_sharding(self, saved: dict, resharding: bool) -> None:
         """The same data and order; across a world-size change, the same batch policy."""

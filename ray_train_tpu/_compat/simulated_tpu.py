@@ -44,10 +44,12 @@ from typing import Any, Optional
 
 import torch
 
+from ray_train_tpu._compat import simulated_tpu_dist
+
 logger = logging.getLogger(__name__)
 
 DEVICE_TYPE = "tpu"
-TPU_DIST = "tpu_dist"  # torch_tpu's process-group backend, simulated by gloo
+TPU_DIST = simulated_tpu_dist.BACKEND_NAME  # torch_tpu's process-group backend, simulated over gloo
 # One device per process, as torch_tpu under TPU_VISIBLE_CHIPS: index 0. torch
 # parses "tpu" only once PrivateUse1 carries that name, so `install` makes it.
 DEVICE: Optional[torch.device] = None
@@ -151,6 +153,8 @@ class SimulatedTPUTensor(torch.Tensor):
 
 def _run_on_host_views(func, args, kwargs):
     if _is_collective(func):
+        if func.namespace == "c10d":  # ProcessGroupTpu's refusals (only tpu_dist serves device tensors)
+            simulated_tpu_dist.check(func, args, kwargs)
         args, kwargs = _host_groups(func, args, kwargs)
     host_ok = func in _CROSS_DEVICE
     if func in _HOST_INDICES:  # indices may stay on the host, as CUDA allows
@@ -232,15 +236,6 @@ def _twin(group, func):
 
 def _host_name(group_name: str) -> str:
     return f"{group_name}:host"
-
-
-def _create_tpu_dist_group(store, rank: int, size: int, timeout):
-    """The simulated ``tpu_dist`` backend: gloo's connections, registered for the
-    ``tpu`` device only (torch_tpu registers its own for ``tpu`` only too), so a
-    collective on a host tensor of the job's group fails as on a TPU."""
-    from torch._C._distributed_c10d import ProcessGroupGloo
-
-    return ProcessGroupGloo(store, rank, size, timeout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -555,7 +550,7 @@ def install() -> torch.device:
             library.impl(op, kernel, "PrivateUse1")
         import torch.distributed as dist
 
-        dist.Backend.register_backend(TPU_DIST, _create_tpu_dist_group, devices=[DEVICE_TYPE])
+        dist.Backend.register_backend(TPU_DIST, simulated_tpu_dist.create_group, devices=[DEVICE_TYPE])
         _route_accelerator_streams()
         DEVICE = torch.device(DEVICE_TYPE, 0)
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0
@@ -573,7 +568,7 @@ def install_host_stand_in() -> torch.device:
         if _installed:
             raise RuntimeError("this process already has the simulated 'tpu' device; it cannot also use the host")
         if TPU_DIST not in dist.Backend.backend_list:
-            dist.Backend.register_backend(TPU_DIST, _create_tpu_dist_group, devices=["cpu"])
+            dist.Backend.register_backend(TPU_DIST, simulated_tpu_dist.create_group, devices=["cpu"])
             logger.warning(
                 "ray_train_tpu: SIMULATED with the host as the device (RAY_TRAIN_TPU_SIMULATE_DEVICE=host): "
                 "a batch never moved to the device, or a device tensor put in the object store, goes unnoticed"

@@ -12,10 +12,15 @@ is driven by the test on its steps, through five attempts:
   SIGTERM); every rank checkpoints at the next step, then the slice is killed
   before the deadline -> a preemption;
 - A4 on slices 0 and 2: slice 2's worker freezes (SIGSTOP) mid-run -> the hang
-  watch fails the attempt, naming its rank and host;
-- A5 on slices 0 and 2, from the last checkpoint, to the end.
+  watch fails the attempt, naming its rank and host, and where each rank waits
+  (py-spy reads the frozen one's frame from its host);
+- A5 on slices 0 and 2: slice 2's rank returns from the training function (it
+  left the loop early; not a frozen process: it answers) while rank 0 waits in
+  the next collective -> the hang watch, counting collective entries itself
+  (the simulated tpu_dist has no c10d sequence numbers), fails the attempt;
+- A6 on slices 0 and 2, from the last checkpoint, to the end.
 
-``FailureConfig(max_failures=2, max_preemption_failures=1)``: the run fails if the
+``FailureConfig(max_failures=3, max_preemption_failures=1)``: the run fails if the
 preemption were charged to ``max_failures``. The losses of the surviving steps
 must equal those of a one-process reference that trains on the same global
 batches and switches between 3 and 2 shards at the same checkpoints (the data
@@ -52,7 +57,7 @@ N, GLOBAL_BATCH, SEED, EVERY = 96, 6, 7, 4
 STEP_S = 0.25  # a step's floor, so that the driver acts mid-run
 GRACE_S = 10.0  # the notice's deadline (the guard's grace period)
 HANG_TIMEOUT_S = 8.0
-PLAN = ("kill", "grow", "notice", "stall", "finish")
+PLAN = ("kill", "grow", "notice", "stall", "leave", "finish")
 
 
 def _net():
@@ -111,6 +116,8 @@ def _train(config):
                     _append(out / "losses.jsonl", {"attempt": attempt, "step": step, "loss": loss.item(), "t": time.time()})
                 time.sleep(STEP_S)
                 _notice_in_next_save(out, step, world)
+                if _leaves_now(out, step):
+                    return  # left the loop early: rank 0 waits in the next collective (the guard's)
                 preempted = guard.requested()
                 flag = torch.tensor([int(rank == 0 and (out / "stop").exists())], device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -127,6 +134,14 @@ def _train(config):
 def _append(path: Path, record: dict) -> None:
     with open(path, "a") as f:  # one short line: an atomic append
         f.write(json.dumps(record) + "\n")
+
+
+def _leaves_now(out: Path, step: int) -> bool:
+    """When the driver asks (file "leave"), the worker of slice 2 leaves the loop, once."""
+    if os.environ.get("TPU_NAME") != "sim-slice-2" or not (out / "leave").exists() or (out / "left").exists():
+        return False
+    (out / "left").write_text(json.dumps({"t": time.time(), "step": step}))
+    return True
 
 
 def _notice_in_next_save(out: Path, step: int, world: int) -> None:
@@ -216,6 +231,10 @@ class _Driver:
         self.events["stalled_pids"] = self.sim.stall_host(2, 0)
         assert self.events["stalled_pids"], "no worker process found on host (2, 0)"
         self._wait(new_attempt(2, 3), "A5 after the hang")
+        seen.add(self._latest()[0])
+        self.events["leave"] = time.time()
+        (self.out / "leave").write_text("1")
+        self._wait(new_attempt(2, 3), "A6 after the rank that left")
         self.events["finish"] = time.time()
         (self.out / "stop").write_text("done")
 
@@ -242,7 +261,7 @@ def _run(sim, out: Path) -> dict:
         torch_config=TPUTorchConfig(hang_timeout_s=HANG_TIMEOUT_S),
         run_config=ray.train.RunConfig(
             storage_path=str(out / "storage"), name="elastic",
-            failure_config=ray.train.FailureConfig(max_failures=2, max_preemption_failures=1),
+            failure_config=ray.train.FailureConfig(max_failures=3, max_preemption_failures=1),
             callbacks=[compat_ray.controller_state_log(str(out / "controller.jsonl"))]),
     )
     outcome = {}
@@ -276,7 +295,7 @@ def test_each_attempt_runs_on_the_live_slices_with_an_environment_planned_for_th
     slices = [sorted({r["slice"] for r in a.values()}) for a in attempts]
     assert slices == [["sim-slice-0", "sim-slice-1", "sim-slice-2"], ["sim-slice-0", "sim-slice-1"],
                       ["sim-slice-0", "sim-slice-1", "sim-slice-2"], ["sim-slice-0", "sim-slice-2"],
-                      ["sim-slice-0", "sim-slice-2"]], slices
+                      ["sim-slice-0", "sim-slice-2"], ["sim-slice-0", "sim-slice-2"]], slices
     topology = Topology.parse(TOPOLOGY, ACCEL)
     for attempt in attempts:
         env0 = attempt[0]["env"]
@@ -359,10 +378,11 @@ def test_a_notice_during_a_save_checkpoints_every_rank_just_in_time_and_counts_a
                 pass
     assert noticed["step"] in steps and jit in steps, sorted(steps)
     # Ray charged it to max_preemption_failures: its own PreemptionError, after its
-    # PreemptingState (with max_failures=2 for the kill and the hang, a third worker
+    # PreemptingState (with max_failures=3 for the kill and the two hangs, a fourth worker
     # failure would have failed the run).
     restarts = [s for s in run["states"] if s["to"] == "RestartingState"]
-    assert [s["error_type"] for s in restarts] == ["WorkerGroupError", "PreemptionError", "CollectiveHangError"], restarts
+    assert [s["error_type"] for s in restarts] == ["WorkerGroupError", "PreemptionError", "CollectiveHangError",
+                                                   "CollectiveHangError"], restarts
     assert any(s["to"] == "PreemptingState" for s in run["states"])
     assert any(s["to"] == "ResizingState" for s in run["states"])  # the slice's return
     restart_s = min(r["t"] for r in a4.values()) - run["events"]["notice"]
@@ -382,3 +402,27 @@ def test_a_host_stalled_mid_step_fails_the_attempt_naming_it_and_the_run_resumes
     assert re.search(r"collective hang: rank\(s\) 1 on host\(s\) 127\.0\.3\.1 \(sim-slice-2\) did not join",
                      hang["error"]), hang["error"]
     assert "did not even answer" in hang["error"]  # a frozen process
+    # where each waits: rank 0 in a collective (its own answer), rank 1 read by py-spy from its host
+    assert re.search(r"rank 0 \(127\.0\.1\.1 \(sim-slice-0\)\): \S+ \([^)]*\) in _train \([^)]*test_elastic\.py:\d+\)",
+                     hang["error"]), hang["error"]
+    assert re.search(r"rank 1 \(127\.0\.3\.1 \(sim-slice-2\)\): [^;]*test_elastic\.py:\d+\)[^;]* \(py-spy\)",
+                     hang["error"]), hang["error"]
+
+
+def test_a_rank_that_left_the_loop_early_fails_the_attempt_naming_it_and_the_run_resumes(run):
+    """Not a frozen process: rank 1 answers, its counters are behind (no c10d counters on tpu_dist)."""
+    a5, a6 = run["attempts"][4], run["attempts"][5]
+    left = json.loads((run["out"] / "left").read_text())
+    waited = min(r["t"] for r in a6.values()) - left["t"]
+    print(f"rank left to the next attempt: {waited:.0f} s (hang_timeout_s={HANG_TIMEOUT_S:g})")
+    assert HANG_TIMEOUT_S <= waited < HANG_TIMEOUT_S + 90
+    a5_steps = [r["step"] for r in run["losses"] if r["attempt"] == a5[0]["attempt"]]
+    periodic = [s for s in a5_steps if s % EVERY == 0]
+    assert a6[0]["resumed_from"] == (max(periodic) if periodic else a5[0]["resumed_from"])
+    error = [s for s in run["states"] if s["error_type"] == "CollectiveHangError"][1]["error"]
+    assert re.search(r"collective hang: rank\(s\) 1 on host\(s\) 127\.0\.3\.1 \(sim-slice-2\) did not join collective #\d+",
+                     error), error
+    assert "rank(s) 1 had returned from the training function (left the loop early)" in error
+    assert "did not even answer" not in error
+    assert re.search(r"rank 0 \(127\.0\.1\.1 \(sim-slice-0\)\): \S+ \([^)]*\) in _train \([^)]*test_elastic\.py:\d+\)",
+                     error), error

@@ -334,7 +334,7 @@ def test_ray_subslice_discovery_seam_exists():
 def test_elastic_preemption_and_hang_seams_exist():
     """The Ray Train 2.60 internals behind add_worker_group_poll_hook, preemption_pending,
     preemption_deadline_s, drain_node, raylet_pid and controller_state_log; the torch ones behind
-    collective_sequence_numbers and batches_yielded."""
+    install_collective_counter/collective_entries and batches_yielded."""
     from ray._private import ray_constants
     from ray._raylet import InnerGcsClient  # what GcsClient delegates drain_node to
     from ray.core.generated import autoscaler_pb2
@@ -362,9 +362,25 @@ def test_elastic_preemption_and_hang_seams_exist():
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    assert all(hasattr(c10d._world, name) for name in ("pg_map", "pg_names", "pg_group_ranks"))
-    assert hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")
-    assert compat_torch.collective_sequence_numbers() == {}  # no process group here
+    assert all(hasattr(c10d._world, name) for name in ("pg_names", "pg_group_ranks"))
+    # every collective op of torch 2.13 is counted, except point-to-point ones (by design)
+    ops = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("c10d::")}
+    assert ops - set(compat_torch.COUNTED_C10D_OPS) == {"send", "recv_", "recv_any_source_", "check_for_nan"}
+    functional = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("_c10d_functional::")}
+    # (_wrap_tensor_autograd: registered once _functional_collectives is imported; not a collective)
+    assert functional - set(compat_torch.COUNTED_FUNCTIONAL_OPS) <= {"batch_p2p_ops", "isend", "irecv", "wait_tensor",
+                                                                   "_wrap_tensor_autograd"}
+    for name in compat_torch.COUNTED_C10D_OPS + compat_torch.COUNTED_FUNCTIONAL_OPS:  # no autograd kernel to replace
+        dump = torch._C._dispatch_dump(f"c10d::{name}" if name in compat_torch.COUNTED_C10D_OPS else f"_c10d_functional::{name}")
+        assert not any(line.startswith(compat_torch.COUNTING_KEYS) for line in dump.splitlines()) or compat_torch._counter
+    assert callable(torch._C._AutoDispatchBelowAutograd) and callable(torch.ops.c10d.allreduce_.default._op)
+    # the hang watch finds the training function's thread by Ray Train 2.60's name for it
+    from ray.train.v2._internal.execution.worker_group import thread_runner
+
+    from ray_train_tpu import hang
+
+    assert f'name=f"{hang._TRAINING_THREAD}' in inspect.getsource(thread_runner)
+    assert hasattr(dist.ProcessGroup, "group_name")
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
     it = iter(loader)
     next(it)

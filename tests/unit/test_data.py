@@ -158,12 +158,15 @@ def test_a_world_size_change_mid_epoch_sees_no_sample_twice_and_skips_none(n, wo
 
     policy = b * math.lcm(*worlds) if global_policy else None
     size = {} if policy else {"batch_size": b}
-    seen, state = [], None
+    seen, state, last = [], None, worlds[-1]
     for i, world in enumerate(worlds):
         loaders = [l for l in _world(world, n, policy, drop_last=drop_last, **size)]
         if state is not None:
             for loader in loaders:
                 loader.load_state_dict(state)
+            if loaders[0].epoch == 1:  # the rest of epoch 0 holds no batch for this world: it starts epoch 1
+                last = world
+                break
         if i < len(worlds) - 1:
             left = _batches_left(world, n, policy, state, drop_last=drop_last, **size)
             k = min(ks[i], max(0, left - 1))  # stay inside the epoch
@@ -174,7 +177,7 @@ def test_a_world_size_change_mid_epoch_sees_no_sample_twice_and_skips_none(n, wo
             for loader in loaders:
                 loader.set_epoch(0)
                 seen += [i for batch in loader for i in batch.tolist()]
-    order, last = _order(0, n), worlds[-1]
+    order = _order(0, n)
     if drop_last:
         assert len(seen) == len(set(seen)), "a sample was seen twice"
         assert sorted(seen) == sorted(order[: len(seen)]), "a sample was skipped before the epoch's end"
@@ -199,6 +202,11 @@ def test_after_a_world_size_change_the_position_resumes_exactly_in_the_new_world
         again = _world(3, N, 12)[r]
         again.load_state_dict(st_)
         again.set_epoch(again.epoch)
+        if len(expected[r]) == 1:  # that was epoch 0's last batch for 3 ranks: the resume starts epoch 1
+            fresh = _world(3, N, 12)[r]
+            fresh.set_epoch(1)
+            assert again.epoch == 1 and [b.tolist() for b in again] == [b.tolist() for b in fresh]
+            continue
         assert [first[r]] + [b.tolist() for b in again] == expected[r]
     rank0 = expected[0]
     assert [i for b in rank0 for i in b] == _order(0)[24:][0::3][: len(rank0) * 4]
@@ -385,3 +393,30 @@ def test_an_explicit_rank_that_contradicts_the_mesh_is_refused(fake_rank_3_of_4)
             r"data-parallel rank 1 of 2.*pass rank=1, world_size=2")):
         stateful_dataloader(list(range(16)), batch_size=2, rank=3, world_size=4)
     assert _shard(stateful_dataloader(list(range(16)), batch_size=2, rank=1, world_size=2)) == (1, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4, 1])
+def test_a_state_saved_on_an_epochs_last_step_resumes_at_the_next_epoch(world):
+    """Saved after the last batch but before the iterator noticed the end: resumed in the same
+    world or another, the loader starts the next epoch (it yielded nothing before: a loop over
+    it that did not advance the epoch spun without steps)."""
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+
+    def loader(w, rank=0):
+        return stateful_dataloader(data, global_batch_size=4, seed=1, rank=rank, world_size=w)
+
+    first = loader(2)
+    first.set_epoch(0)
+    it = iter(first)
+    for _ in range(len(first)):
+        next(it)
+    state = first.state_dict()
+    assert state["epoch"] == 0 and not state["loader"]["_iterator_finished"]  # the case: not noticed yet
+    whole = [x[0] for r in range(world) for x in (lambda l: (l.set_epoch(1), list(l))[1])(loader(world, r))]
+    resumed = [loader(world, r) for r in range(world)]
+    for r, l in enumerate(resumed):
+        l.load_state_dict(state)
+        assert l.epoch == 1
+        l.set_epoch(l.epoch)
+    got = [x[0] for l in resumed for x in l]
+    assert len(got) == len(whole) > 0 and all(torch.equal(a, b) for a, b in zip(got, whole))
