@@ -138,6 +138,11 @@ class SimulatedTPUTensor(torch.Tensor):
             return AsyncCollectiveTensor(args[0])  # keeps the device tensor inside
         if _is_seeded(func):
             return _on_device_generator(func, args, kwargs)
+        if func in _NO_TPU_KERNEL:
+            raise NotImplementedError(
+                f"{func} has no kernel for the tpu device (torch_tpu 0.2.0 registers none: fp16 GradScaler "
+                "cannot unscale on a TPU); train in bfloat16 (torch.autocast('tpu', dtype=torch.bfloat16)), which "
+                "needs no loss scaling (SIMULATED TPU device, as on a real one)")
         return _run_on_host_views(func, args, kwargs)
 
     def __deepcopy__(self, memo):
@@ -252,14 +257,15 @@ def _is_seeded(func) -> bool:
 def _on_device_generator(func, args, kwargs):
     """Run a random op with the device's generator in place of the CPU's."""
     given = [g for g in (kwargs.get("generator"), *args) if isinstance(g, torch.Generator)]
-    if any(g is not _device_generator for g in given):
+    # (a generator comes back from C++ as a new Python object: the device's is known by its state)
+    if any(not torch.equal(g.get_state(), _device_generator.get_state()) for g in given):
         raise RuntimeError(
             f"{func}: a generator of device 'cpu' cannot drive a random op on {DEVICE} (as on a TPU); "
             "leave generator=None or pass torch.tpu.default_generators[0] (the device's generator, seeded by "
             "torch.manual_seed), or draw on the host and move the result"
         )
     if given:  # the device's own generator: the one used below anyway
-        args = tuple(None if a is _device_generator else a for a in args)
+        args = tuple(None if isinstance(a, torch.Generator) else a for a in args)
         kwargs = {**kwargs, "generator": None} if "generator" in kwargs else kwargs
     cpu = torch.default_generator
     host_state = cpu.get_state()
@@ -355,6 +361,9 @@ def _is_async_collective_wrap(func) -> bool:
 _CROSS_DEVICE = frozenset({_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default,
                            _aten._copy_from_and_resize.default})
 _TO_HOST = frozenset({_aten._to_copy.default})
+# Ops torch_tpu has no kernel for (none in its libraries): what fp16 loss scaling needs.
+_NO_TPU_KERNEL = frozenset({_aten._amp_foreach_non_finite_check_and_unscale_.default,
+                            _aten._amp_update_scale_.default})
 # Indexing ops whose index tensors (second argument) may be host tensors.
 _HOST_INDICES = frozenset({_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
                            _aten._index_put_impl_.default})
