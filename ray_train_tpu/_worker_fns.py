@@ -165,9 +165,10 @@ def apply_env(env: dict, mode: Union[Mode, str], unset: tuple = ()) -> None:
     _environ.update(env)
     if Mode(mode) is Mode.SIMULATE:
         from ray_train_tpu._compat import ray_train as compat_ray
-        from ray_train_tpu.device import simulated_device_kind
+        from ray_train_tpu.device import describe_simulated_chip, simulated_device_kind
 
         compat_ray.use_simulated_tpu_device_manager(host=simulated_device_kind() == "host")
+        describe_simulated_chip()
     else:
         from ray_train_tpu.device import check_tpu_runtime
 

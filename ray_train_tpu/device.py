@@ -71,7 +71,9 @@ def get_device():
 
         if simulated_device_kind() == "host":
             return simulated_tpu.install_host_stand_in()
-        return simulated_tpu.install()  # idempotent: a lookup after the first call
+        device = simulated_tpu.install()  # idempotent: a lookup after the first call
+        describe_simulated_chip()
+        return device
     if holds_tpu:
         if _checked_tpu_device is None:
             import torch
@@ -82,6 +84,28 @@ def get_device():
     import ray.train.torch
 
     return ray.train.torch.get_device()
+
+
+# torch_tpu 0.2.0's names for the chips it recognizes (_internal/utils/hardware.py, _PCI_DEVICE_ID_TO_NAME)
+TORCH_TPU_CHIP_NAMES = {"TPU-V4": "TPU v4", "TPU-V5P": "TPU v5p", "TPU-V5LITEPOD": "TPU v5e", "TPU-V6E": "TPU v6e",
+                        "TPU-V7X": "TPU v7"}
+
+
+def describe_simulated_chip() -> None:
+    """Tell the simulated device which chip it stands for (the host's
+    ``TPU_ACCELERATOR_TYPE``, e.g. ``v4-8``): ``torch.tpu.get_device_name()`` and
+    ``get_device_properties().total_memory`` (HBM per device, from the topology
+    table) answer as torch_tpu does on that chip. Without it they answer as
+    torch_tpu on an unrecognized chip ("TPU", and a RuntimeError for the memory)."""
+    from ray_train_tpu import topology
+    from ray_train_tpu._compat import simulated_tpu_runtime
+
+    pod_type = _environ.get(C.TPU_ACCELERATOR_TYPE)
+    if not pod_type:
+        return
+    gen, _ = topology.parse_pod_type(pod_type)
+    simulated_tpu_runtime.describe_chip(TORCH_TPU_CHIP_NAMES[gen.accelerator_type],
+                                        gen.hbm_bytes_per_chip // gen.devices_per_chip)
 
 
 def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:

@@ -36,7 +36,6 @@ Every private torch API this needs is used here and only here, pinned to
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -45,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ray_train_tpu._compat import simulated_tpu_dist
+from ray_train_tpu._compat import simulated_tpu_runtime as _runtime
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ class SimulatedTPUTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, requires_grad: bool = False):
-        return torch.Tensor._make_subclass(
-            cls, elem, requires_grad, dispatch_device=True, device_for_backend_keys=DEVICE
-        )
+        t = torch.Tensor._make_subclass(cls, elem, requires_grad, dispatch_device=True, device_for_backend_keys=DEVICE)
+        _runtime.memory.track(t)  # its storage is device memory from now until it is freed
+        return t
 
     @property
     def device(self) -> torch.device:  # what Python code reads; C++ asks prim.device below
@@ -139,6 +139,11 @@ class SimulatedTPUTensor(torch.Tensor):
             return AsyncCollectiveTensor(args[0])  # keeps the device tensor inside
         if _is_seeded(func):
             return _on_device_generator(func, args, kwargs)
+        if func in _NO_TPU_KERNEL:
+            raise NotImplementedError(
+                f"{func} has no kernel for the tpu device (torch_tpu 0.2.0 registers none: fp16 GradScaler "
+                "cannot unscale on a TPU); train in bfloat16 (torch.autocast('tpu', dtype=torch.bfloat16)), which "
+                "needs no loss scaling (SIMULATED TPU device, as on a real one)")
         return _run_on_host_views(func, args, kwargs)
 
     def __deepcopy__(self, memo):
@@ -245,12 +250,17 @@ def _is_seeded(func) -> bool:
 
 def _on_device_generator(func, args, kwargs):
     """Run a random op with the device's generator in place of the CPU's."""
-    if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+    given = [g for g in (kwargs.get("generator"), *args) if isinstance(g, torch.Generator)]
+    # (a generator comes back from C++ as a new Python object: the device's is known by its state)
+    if any(not torch.equal(g.get_state(), _device_generator.get_state()) for g in given):
         raise RuntimeError(
             f"{func}: a generator of device 'cpu' cannot drive a random op on {DEVICE} (as on a TPU); "
-            "leave generator=None (the device's generator, seeded by torch.manual_seed) or draw on the host "
-            "and move the result"
+            "leave generator=None or pass torch.tpu.default_generators[0] (the device's generator, seeded by "
+            "torch.manual_seed), or draw on the host and move the result"
         )
+    if given:  # the device's own generator: the one used below anyway
+        args = tuple(None if isinstance(a, torch.Generator) else a for a in args)
+        kwargs = {**kwargs, "generator": None} if "generator" in kwargs else kwargs
     cpu = torch.default_generator
     host_state = cpu.get_state()
     cpu.set_state(_device_generator.get_state())
@@ -261,11 +271,7 @@ def _on_device_generator(func, args, kwargs):
         cpu.set_state(host_state)
 
 
-# The device's default generator (CPU kernels run the ops; the stream is the device's own).
-_device_generator = torch.Generator()
-# torch.manual_seed(s) seeds every device; the device's stream differs from the CPU's for the same
-# seed, as a TPU's or GPU's does (another algorithm), so a host/device mix-up cannot go unnoticed.
-_DEVICE_SEED_OFFSET = 0x7470755F726E67  # "tpu_rng"
+_device_generator = _runtime.device_generator  # the device's own stream (CPU kernels draw from it)
 
 
 def _is_tpu(device: Any) -> bool:
@@ -349,6 +355,9 @@ def _is_async_collective_wrap(func) -> bool:
 _CROSS_DEVICE = frozenset({_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default,
                            _aten._copy_from_and_resize.default})
 _TO_HOST = frozenset({_aten._to_copy.default})
+# Ops torch_tpu has no kernel for (none in its libraries): what fp16 loss scaling needs.
+_NO_TPU_KERNEL = frozenset({_aten._amp_foreach_non_finite_check_and_unscale_.default,
+                            _aten._amp_update_scale_.default})
 # Indexing ops whose index tensors (second argument) may be host tensors.
 _HOST_INDICES = frozenset({_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
                            _aten._index_put_impl_.default})
@@ -356,115 +365,7 @@ _HOST_INDICES = frozenset({_aten.index.Tensor, _aten.index_put.default, _aten.in
 
 # -- the backend: PrivateUse1 named "tpu", a device module, kernels that create device tensors
 
-class _Stream:
-    """One in-order queue, like the device's default stream: waits are no-ops."""
-
-    def __init__(self, device=None, priority: int = 0, **_):
-        self.device = DEVICE
-
-    def wait_stream(self, stream) -> None: ...
-
-    def wait_event(self, event) -> None: ...
-
-    def record_event(self, event=None):
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None: ...
-
-
-class _Event:
-    def __init__(self, *args, **kwargs): ...
-
-    def record(self, stream=None) -> None: ...
-
-    def wait(self, stream=None) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool:
-        return True
-
-
-class _DeviceModule:
-    """``torch.tpu`` in a simulated worker: one device, one stream, CPU RNG."""
-
-    Stream = _Stream
-    Event = _Event
-    _default_stream = _Stream()
-
-    @staticmethod
-    def is_available() -> bool:
-        return True
-
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def set_device(device) -> None:
-        index = device if isinstance(device, int) else torch.device(device).index
-        if index not in (None, 0):
-            raise RuntimeError(f"this worker has one TPU device (tpu:0); cannot set device {device!r}")
-
-    @staticmethod
-    def synchronize(device=None) -> None: ...
-
-    @staticmethod
-    def current_stream(device=None) -> _Stream:
-        return _DeviceModule._default_stream
-
-    @staticmethod
-    def default_stream(device=None) -> _Stream:
-        return _DeviceModule._default_stream
-
-    @staticmethod
-    def stream(stream):
-        return contextlib.nullcontext(stream)
-
-    # The device's own generator (`_device_generator`); torch.manual_seed calls manual_seed_all.
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        _device_generator.manual_seed((int(seed) + _DEVICE_SEED_OFFSET) % 2**64)
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        _DeviceModule.manual_seed(seed)
-
-    @staticmethod
-    def initial_seed() -> int:
-        return (_device_generator.initial_seed() - _DEVICE_SEED_OFFSET) % 2**64
-
-    @staticmethod
-    def get_rng_state(device=None) -> torch.Tensor:
-        return _device_generator.get_state()
-
-    @staticmethod
-    def set_rng_state(state, device=None) -> None:
-        _device_generator.set_state(state)
-
-    @staticmethod
-    def memory_allocated(device=None) -> int:
-        return 0
+_DeviceModule = _runtime.DeviceModule
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -553,8 +454,13 @@ def install() -> torch.device:
         dist.Backend.register_backend(TPU_DIST, simulated_tpu_dist.create_group, devices=[DEVICE_TYPE])
         _route_accelerator_streams()
         DEVICE = torch.device(DEVICE_TYPE, 0)
+        libraries = [library]
+        _runtime.install_autocast(libraries)
+        _runtime.install_pinned_memory(libraries)
+        _runtime.route_accelerator()
+        _runtime.install_compile_backend(SimulatedTPUTensor)
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0
-        _installed.update(library=library, device=torch.device(DEVICE_TYPE))
+        _installed.update(libraries=libraries, device=torch.device(DEVICE_TYPE))
         return _installed["device"]
 
 

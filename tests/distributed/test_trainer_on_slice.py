@@ -252,3 +252,102 @@ def test_a_host_batch_fed_to_the_device_model_fails_as_on_a_tpu(sim, tmp_path):
             scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
             run_config=ray.train.RunConfig(storage_path=str(tmp_path)),
         ).fit()
+
+
+# --- Hugging Face Trainer: Ray's prepare_trainer + RayTrainReportCallback recipe -----
+
+HF_STEPS, HF_KILL_AT = 4, 3
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _hf_rows(n):
+    ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _hf_loop(config):
+    """Ray's own HF recipe (ray/train/v2/tests/test_torch_transformers_train.py), in TPUTorchTrainer:
+    training rows from a Ray Data shard, evaluation rows from a datasets.Dataset, bf16,
+    gradient checkpointing, eval and save every 2 steps; rank 1 dies once after the first
+    checkpoint, and the run resumes from Ray Train's latest checkpoint."""
+    import os
+
+    import datasets
+    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    rank = ray.train.get_context().get_world_rank()
+    out = Path(config["out"])
+
+    class Probe(TrainerCallback):
+        started = False
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if self.started:
+                return
+            self.started = True
+            with open(out / f"rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"start_step": state.global_step, "device": str(args.device),
+                                    "param_device": str(next(model.parameters()).device),
+                                    "checkpointing": model.is_gradient_checkpointing}) + "\n")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marker = out / "killed"
+            if rank == 1 and state.global_step == HF_KILL_AT and not marker.exists():
+                marker.write_text(str(state.global_step))
+                os._exit(1)  # a worker dies; Ray Train restarts the group from the latest checkpoint
+
+    args = TrainingArguments(
+        output_dir=str(out / "hf"), max_steps=HF_STEPS, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        bf16=True, gradient_checkpointing=True, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+        save_steps=2, logging_steps=1, report_to=[], disable_tqdm=True, learning_rate=1e-3,
+    )
+    trainer = Trainer(
+        model=_tiny_llama(), args=args,
+        train_dataset=ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=4),
+        eval_dataset=datasets.Dataset.from_list(_hf_rows(16)),
+        callbacks=[RayTrainReportCallback(), Probe()],
+    )
+    trainer = prepare_trainer(trainer)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        trainer.train()
+    else:
+        with checkpoint.as_directory() as d:
+            trainer.train(resume_from_checkpoint=os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME))
+
+
+@pytest.mark.xfail(run=False, strict=True, reason=(
+    "measured 2026-12-06: trains on tpu:0 on all 4 ranks (bf16, gradient checkpointing, eval, save, reports), the "
+    "killed worker's group restarts, but the restarted Trainer starts at step 0, not at the step-2 checkpoint; "
+    "also 114 s on 2 cores, over the suite budget. Not run until both are fixed"))
+def test_hugging_face_trainer_trains_on_the_device_reports_and_resumes_after_a_worker_dies(sim, tmp_path):
+    out = tmp_path / "hf_out"
+    out.mkdir()
+    result = TPUTorchTrainer(
+        _hf_loop,
+        train_loop_config={"out": str(out)},
+        datasets={"train": ray.data.from_items(_hf_rows(64))},
+        scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
+        run_config=ray.train.RunConfig(name="hf", storage_path=str(tmp_path / "storage"),
+                                       failure_config=ray.train.FailureConfig(max_failures=1)),
+    ).fit()
+    assert result.error is None, result.error
+    assert (out / "killed").read_text() == str(HF_KILL_AT)
+    starts = {r: [json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(4)}
+    for r, runs in starts.items():
+        assert [run["start_step"] for run in runs] == [0, 2], (r, runs)  # resumed from the step-2 checkpoint
+        assert all(run["device"] == "tpu:0" and run["param_device"] == "tpu:0" and run["checkpointing"]
+                   for run in runs), (r, runs)
+    assert result.metrics["step"] == HF_STEPS and "eval_loss" in result.metrics and "loss" in result.metrics
+    with result.checkpoint.as_directory() as d:
+        saved = Path(d) / "checkpoint"
+        assert (saved / "trainer_state.json").exists()
+        assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == HF_STEPS

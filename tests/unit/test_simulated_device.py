@@ -320,3 +320,295 @@ def test_the_host_stand_in_is_explicit_and_only_what_it_says(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_TPU_SIMULATE_DEVICE", "gpu")
     with pytest.raises(ValueError, match=r"RAY_TRAIN_TPU_SIMULATE_DEVICE='gpu' must be one of tpu, host"):
         device.simulated_device_kind()
+
+
+# -- torch_tpu 0.2.0's device surface: every public name of its device module, with meaning
+
+def _torch_tpu_file(*parts):
+    """A file of the installed torch_tpu, found without importing it."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("torch_tpu")
+    assert spec is not None, "torch_tpu is not installed; the device surface is checked against it"
+    return pathlib.Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+
+
+def _torch_tpu_device_module_names():
+    """The public names of torch_tpu's device module (``torch.tpu``), read from its source:
+    methods and attributes of ``_DeviceModule``/``TpuDeviceModule``, the metaclass
+    properties, and the staged names of ``__tt_api_stages__``."""
+    import ast
+
+    tree = ast.parse(_torch_tpu_file("_internal", "device", "_device_module.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("_DeviceModuleMeta", "_DeviceModule", "TpuDeviceModule"):
+            for b in node.body:
+                if isinstance(b, ast.FunctionDef):
+                    names.add(b.name)
+                elif isinstance(b, ast.Assign):
+                    names |= {t.id for t in b.targets if isinstance(t, ast.Name)}
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "__tt_api_stages__":
+            names |= {k.value for k in node.value.keys}
+    return {n for n in names if not n.startswith("_")}
+
+
+def _surface(rank, world):
+    import os
+
+    from torch.utils.checkpoint import checkpoint
+
+    from ray_train_tpu._compat import simulated_tpu_runtime as rt
+    from ray_train_tpu.device import describe_simulated_chip, get_device
+
+    device = get_device()
+    out = {}
+    tpu = torch.get_device_module("tpu")
+    out["names"] = set(dir(type(tpu)))
+    out["refused"] = {}
+    for name in rt.REFUSED:
+        try:
+            value = getattr(tpu, name)
+            value() if callable(value) else None
+        except rt.NotSimulatedError as e:
+            out["refused"][name] = str(e)
+    # autocast: matmuls in bf16 (equal to the host's bf16 result), losses in fp32, as torch_tpu's lists say
+    a, b, target = torch.randn(16, 8), torch.randn(8, 4), torch.randint(0, 4, (16,))
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        mm = a.to(device) @ b.to(device)
+        loss = torch.nn.functional.cross_entropy(mm, target.to(device))
+    out["amp"] = {"mm": mm.dtype, "mm_equal": torch.equal(mm.cpu(), a.bfloat16() @ b.bfloat16()), "loss": loss.dtype,
+                  "default_dtype": torch.get_autocast_dtype("tpu"),
+                  "ops": {op.name(): policy for op, policy in rt.autocast_ops().items()}}
+    with torch.autocast("tpu"):
+        out["amp"]["default_mm"] = (a.to(device) @ b.to(device)).dtype
+    # memory: the bytes of live device tensors
+    torch.accelerator.synchronize()
+    base = torch.accelerator.memory_allocated()
+    torch.accelerator.reset_peak_memory_stats()
+    x = torch.empty(4 * 2**20, dtype=torch.float32, device=device)  # 16 MiB
+    model = torch.nn.Linear(256, 128).to(device)
+    held = torch.accelerator.memory_allocated() - base
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    del x
+    torch.accelerator.empty_cache()
+    out["memory"] = {"held": held, "params": params, "after_free": torch.accelerator.memory_allocated() - base,
+                     "peak": torch.accelerator.max_memory_allocated() - base, "tpu_api": tpu.memory_allocated() - base,
+                     "stats": dict(torch.accelerator.memory_stats())}
+    torch.accelerator.reset_peak_memory_stats()
+    out["memory"]["peak_after_reset"] = torch.accelerator.max_memory_allocated() - base
+    # the chip: the host's accelerator type, through the topology table
+    before = tpu.get_device_name()
+    try:
+        tpu.get_device_properties()
+        undescribed = None
+    except RuntimeError as e:
+        undescribed = str(e)
+    os.environ["TPU_ACCELERATOR_TYPE"] = "v4-8"
+    describe_simulated_chip()
+    props = tpu.get_device_properties()
+    out["chip"] = {"before": before, "undescribed": undescribed, "name": props.name, "total": props.total_memory,
+                   "info_total": torch.accelerator.get_memory_info()[1]}
+    # pinned host memory through a DataLoader
+    data = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(6, 2))
+    batches = list(torch.utils.data.DataLoader(data, batch_size=3, pin_memory=True))
+    out["pinned"] = {"batches": [bt[0].is_pinned() for bt in batches], "host": torch.ones(2).is_pinned(),
+                     "moved": torch.equal(torch.cat([bt[0].to(device, non_blocking=True).cpu() for bt in batches]),
+                                          torch.arange(12.0).reshape(6, 2))}
+    # streams and events
+    start, end = tpu.Event(enable_timing=True), tpu.Event(enable_timing=True)
+    start.record()
+    (torch.randn(64, 64).to(device) @ torch.randn(64, 64).to(device)).sum().item()
+    end.record()
+    end.synchronize()
+    stream = tpu.current_stream()
+    out["streams"] = {"elapsed": start.elapsed_time(end), "query": stream.query(),
+                      "default": stream == tpu.default_stream(), "accelerator": torch.accelerator.current_stream()
+                      is stream, "record": type(stream.record_event()).__name__}
+    try:
+        start.ipc_handle()
+    except NotImplementedError as e:
+        out["streams"]["ipc"] = str(e)
+    # generators: PyTorch's Python hooks cannot create one; the device's default generator drives draws
+    try:
+        torch.Generator(device="tpu")
+    except NotImplementedError as e:
+        out["generator_refused"] = str(e)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        t = torch.empty(5, device=device)
+        draws.append(t.normal_(generator=tpu.default_generators[0]).cpu())
+    out["generator"] = {"same": torch.equal(*draws), "is_device_generator": tpu.default_generators[0] is
+                        rt.device_generator}
+    # activation checkpointing, both modes, dropout inside (the device's RNG state is replayed)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Dropout(0.5),
+                              torch.nn.Linear(8, 1)).to(device)
+    inp = torch.randn(4, 8).to(device).requires_grad_()  # reentrant checkpointing needs an input that does
+
+    def grads(fn):
+        net.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("tpu", dtype=torch.bfloat16):
+            fn(inp).float().sum().backward()
+        return [p.grad.cpu().clone() for p in net.parameters()]
+
+    plain = grads(net)
+    out["checkpoint"] = {mode: all(torch.equal(g, h) for g, h in zip(plain, grads(
+        lambda t, r=reentrant: checkpoint(net, t, use_reentrant=r)))) for mode, reentrant in
+        (("reentrant", True), ("non_reentrant", False))}
+    # torch.compile: the "tpu" backend and the default one, forward and backward equal to eager
+    import time
+
+    t0 = time.perf_counter()
+    eager = grads(net), net(inp)
+    compiled = torch.compile(net, backend="tpu")
+    got = grads(compiled), compiled(inp)
+    out["compile"] = {"tpu": all(torch.equal(g, h) for g, h in zip(eager[0], got[0]))
+                      and torch.equal(eager[1].cpu(), got[1].cpu()) and got[1].device.type == "tpu"}
+    step = torch.compile(lambda t: torch.nn.functional.gelu(t @ t.T) + 1)  # the default backend
+    out["compile"]["default"] = torch.equal(step(inp).cpu(), (torch.nn.functional.gelu(inp @ inp.T) + 1).cpu())
+    out["compile_s"] = time.perf_counter() - t0
+    inductor = torch._TorchCompileInductorWrapper("default", None, False)
+    try:
+        inductor(torch.fx.symbolic_trace(net), [inp])
+    except rt.NotSimulatedError as e:
+        out["compile"]["inductor_refused"] = str(e)
+    # fp16 loss scaling: torch_tpu has no kernel for unscaling
+    scaler = torch.amp.GradScaler("tpu")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler.scale(net(inp).sum()).backward()
+    try:
+        scaler.unscale_(opt)
+    except NotImplementedError as e:
+        out["grad_scaler"] = str(e)
+    # strict as before: a host tensor meeting a device tensor still fails under autocast
+    from ray_train_tpu._compat.simulated_tpu import DeviceMismatchError
+
+    try:
+        with torch.autocast("tpu", dtype=torch.bfloat16):
+            net(torch.randn(4, 8))
+    except DeviceMismatchError:
+        out["strict"] = True
+    return out
+
+
+@pytest.fixture(scope="module")
+def surface():
+    return _in_child(_surface)[0]
+
+
+def test_the_device_module_has_every_public_name_of_torch_tpus_or_a_tested_refusal(surface):
+    theirs = _torch_tpu_device_module_names()
+    assert {"get_amp_supported_dtype", "synchronize", "get_device_properties", "Stream", "Event",
+            "default_generators"} <= theirs  # the reader reads the class
+    missing = theirs - surface["names"]
+    assert not missing, f"torch_tpu's torch.tpu has {sorted(missing)}; the simulated device module lacks them"
+    from ray_train_tpu._compat.simulated_tpu_runtime import REFUSED
+
+    assert REFUSED <= theirs and set(surface["refused"]) == set(REFUSED)
+    assert all("not simulated" in m and "SIMULATED" in m for m in surface["refused"].values())
+
+
+def test_autocast_uses_torch_tpus_own_op_lists_and_computes_matmuls_in_bf16(surface):
+    import re
+    import subprocess
+
+    from ray_train_tpu._compat.simulated_tpu_runtime import torch_tpu_glue_library
+
+    amp = surface["amp"]
+    assert amp["mm"] == torch.bfloat16 and amp["mm_equal"], amp
+    assert amp["loss"] == torch.float32 and amp["default_dtype"] == torch.bfloat16
+    assert amp["default_mm"] == torch.bfloat16
+    # torch_tpu's kernels, demangled by c++filt: WrapFunction_<CastPolicy, DeviceType 20 (PrivateUse1), ..., &at::_ops::X::call>
+    blob = open(torch_tpu_glue_library(), "rb").read()
+    mangled = sorted(set(re.findall(rb"_ZN2at8autocast13WrapFunction_I[0-9A-Za-z_]+", blob)))
+    demangled = subprocess.run(["c++filt"], input=b"\n".join(mangled), capture_output=True, check=True).stdout.decode()
+    theirs = {}
+    for line in demangled.splitlines():
+        m = re.search(r"CastPolicy\)(\d), \(c10::DeviceType\)20,.*?&at::_ops::(\w+)::call", line)
+        if m:
+            theirs.setdefault(m.group(2), int(m.group(1)))
+    assert len(theirs) > 50 and theirs["mm"] == 0 and theirs["cross_entropy_loss"] == 1
+    policies = ("lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote")
+    ours = amp["ops"]
+    for struct, policy in theirs.items():
+        base = struct if f"aten::{struct}" in ours else None
+        matches = [name for name in ours if name.replace("aten::", "").replace(".", "_") == struct
+                   or name == f"aten::{struct}"] if base is None else [f"aten::{struct}"]
+        assert matches and all(ours[n] == policies[policy] for n in matches), (struct, policy, matches)
+    assert len(ours) == len(theirs)
+
+
+def test_memory_statistics_count_live_device_tensor_bytes(surface):
+    mem = surface["memory"]
+    mib16 = 16 * 2**20
+    assert mem["held"] == mib16 + mem["params"] and mem["params"] == (256 * 128 + 128) * 4
+    assert mem["after_free"] == mem["params"] and mem["tpu_api"] == mem["params"]
+    assert mem["peak"] == mem["held"] and mem["peak_after_reset"] == mem["params"]
+    assert mem["stats"]["allocated_bytes.all.peak"] >= mib16
+    assert mem["stats"]["reserved_bytes.all.current"] == mem["stats"]["allocated_bytes.all.current"]
+
+
+def test_device_name_and_hbm_are_torch_tpus_for_the_hosts_generation(surface):
+    import ast
+
+    source = _torch_tpu_file("_internal", "utils", "hardware.py").read_text()
+    tree = ast.parse(source)
+    names, hbm_v4 = set(), None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_PCI_DEVICE_ID_TO_NAME":
+            names = {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and
+                     str(c.value).startswith("TPU ")}
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_HBM_BYTES_PER_CHIP":
+            for k, v in zip(*(lambda d: (d.keys, d.values))(next(n for n in ast.walk(node.value)
+                                                                  if isinstance(n, ast.Dict)))):
+                if ast.unparse(k) == "TpuVersion.V4":
+                    hbm_v4 = eval(ast.unparse(v))
+    chip = surface["chip"]
+    assert chip["before"] == "TPU" and "unrecognized TPU 'TPU'" in chip["undescribed"]  # torch_tpu's own answers
+    from ray_train_tpu.device import TORCH_TPU_CHIP_NAMES
+
+    assert set(TORCH_TPU_CHIP_NAMES.values()) <= names
+    assert chip["name"] == "TPU v4" and chip["total"] == hbm_v4 == chip["info_total"]
+
+
+def test_pinned_memory_streams_and_events_as_torch_tpu_has_them(surface):
+    assert surface["pinned"] == {"batches": [True, True], "host": False, "moved": True}
+    streams = surface["streams"]
+    assert streams["elapsed"] > 0 and streams["query"] and streams["default"] and streams["accelerator"]
+    assert streams["record"] == "Event"
+    # torch_tpu's TpuEvent.ipc_handle raises NotImplementedError too
+    assert "raise NotImplementedError" in _torch_tpu_file("_internal", "stream", "streams.py").read_text()
+    assert "ipc_handle" in streams["ipc"]
+
+
+def test_device_generators_refused_by_pytorch_and_the_default_one_reproducible(surface):
+    assert "getNewGenerator" in surface["generator_refused"]  # docs/simulation.md names this refusal
+    assert surface["generator"] == {"same": True, "is_device_generator": True}
+
+
+def test_activation_checkpointing_both_modes_gives_the_plain_backwards_gradients(surface):
+    assert surface["checkpoint"] == {"reentrant": True, "non_reentrant": True}
+
+
+def test_torch_compile_tpu_backend_and_default_equal_eager_and_inductor_refuses_device_graphs(surface):
+    compiled = surface["compile"]
+    assert compiled["tpu"] and compiled["default"], compiled
+    assert 'backend="tpu"' in compiled["inductor_refused"]
+
+
+def test_fp16_grad_scaler_is_refused_as_torch_tpu_lacks_the_unscale_kernel(surface):
+    import pathlib
+
+    import accelerate
+
+    # accelerate's own note, and torch_tpu's libraries: no kernel of that name anywhere
+    source = (pathlib.Path(accelerate.__file__).parent / "accelerator.py").read_text()
+    assert "TorchTPU lacks `_amp_foreach_non_finite_check_and_unscale_`" in source
+    for lib in _torch_tpu_file().rglob("*2_13_0*.so"):
+        assert b"_amp_foreach_non_finite_check_and_unscale_" not in lib.read_bytes(), lib
+    assert "_amp_foreach_non_finite_check_and_unscale_" in surface["grad_scaler"]
+    assert surface["strict"]
