@@ -208,7 +208,8 @@ def test_a_one_chip_engine_checks_its_chip_and_slice(monkeypatch):
         check_chip_engine(slice_name="trainer", chips=["3"], env=host)
 
 
-@pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan"])
+@pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan",
+                                  "ray_train_tpu.serve.layout_planner"])
 def test_doctests_of_the_pure_serving_modules_pass(name):
     import doctest
     import importlib
