@@ -323,7 +323,7 @@ class LayoutPlan:
             f"model {m.source}: {m.num_parameters / 1e9:.2f}B parameters in {m.dtype} = {gib(m.weight_bytes)}; "
             f"{m.num_attention_heads} heads, {m.num_key_value_heads} KV heads, {m.num_hidden_layers} layers; "
             f"KV cache {m.kv_bytes_per_token / 2**10:.1f} KiB per token",
-            f"slice {t}: {t.num_devices} devices, {gib(t.generation.hbm_bytes_per_chip // t.devices_per_chip)} HBM "
+            f"slice {t}: {t.num_devices} device{'s' * (t.num_devices > 1)}, {gib(t.generation.hbm_bytes_per_chip // t.devices_per_chip)} HBM "
             f"each, {gib(self.usable_bytes_per_device)} usable at memory_utilization {self.memory_utilization}",
             f"engine: TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size} on {self.engine.name} "
             f"({self.engine_devices} device{'s' * (self.engine_devices > 1)}, {self.engine.hosts} "

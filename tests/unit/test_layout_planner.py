@@ -235,3 +235,20 @@ def test_serve_plan_prints_the_layout_and_starts_nothing(tmp_path):
     code = cli.main(["serve", "--model", str(tmp_path), "--topology", "4x4", "--accelerator-type", "TPU-V6E",
                      "--kv-cache-tokens", "10"], out=out, err=err)
     assert code == 2 and "give it with --plan" in err.getvalue()
+
+
+def test_the_readme_shows_what_the_planner_prints_now(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = "$ python -m ray_train_tpu serve --model Qwen/Qwen2.5-0.5B-Instruct --topology 4x4"
+    block = readme[readme.index(command):].split("\n\n")[0].splitlines()
+    shown = [line.strip() for line in block[1:]]
+    model = tmp_path / "Qwen" / "Qwen2.5-0.5B-Instruct"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(QWEN25_05B))
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    argv = block[0].strip()[len("$ python -m ray_train_tpu "):].split()
+    assert cli.main(argv, out=out, err=io.StringIO()) == 0
+    assert out.getvalue().splitlines() == shown
