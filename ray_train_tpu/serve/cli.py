@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import TextIO
 
@@ -100,7 +101,8 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
     # Serving replicas on sub-slices are not built yet: a replica owns a whole slice.
     try:
         whole = SliceServeSpec(accelerator_type=topo.accelerator_type, topology=topo.name,
-                               model=ModelShape.from_config(config, source=args.model))
+                               model=dataclasses.replace(ModelShape.from_config(config, source=args.model),
+                                                         footprint=plan.model))
         today = f"TP {whole.tensor_parallel_size} x PP {whole.pipeline_parallel_size}"
     except ValueError as e:
         today = f"no layout ({e})"

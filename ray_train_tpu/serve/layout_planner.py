@@ -50,6 +50,8 @@ from ray_train_tpu.topology import Generation, Topology, get_generation, valid_t
 
 GiB = 2**30
 
+# KV budget of a model whose config names no context length.
+DEFAULT_KV_CACHE_TOKENS = 4096
 # vLLM's default share of device memory an engine may use (``gpu_memory_utilization``).
 DEFAULT_MEMORY_UTILIZATION = 0.9
 # The devices one Ray process may hold on one host (Ray's ``TPU_VALID_CHIP_OPTIONS``,
@@ -140,6 +142,13 @@ class ModelFootprint:
         heads = max(1, self.num_key_value_heads // tp)
         layers = math.ceil(self.num_hidden_layers / pp)
         return 2 * layers * heads * self.head_dim * kv_bytes
+
+    def memory_problem(self, generation: Generation, tp: int, pp: int, *, kv_cache_tokens: Optional[int] = None,
+                       memory_utilization: float = DEFAULT_MEMORY_UTILIZATION) -> Optional[str]:
+        """Why TP x PP devices of `generation` cannot hold the weights plus
+        `kv_cache_tokens` of KV cache (default: one full-context sequence), or None."""
+        usable = usable_bytes_per_device(generation, memory_utilization)
+        return _memory_problem(self, tp, pp, kv_cache_tokens or self.max_context or DEFAULT_KV_CACHE_TOKENS, usable)
 
     @classmethod
     def from_config(
@@ -368,7 +377,7 @@ def plan_layout(
         raise ValueError(f"memory_utilization {memory_utilization!r} must be in (0, 1] (vLLM's "
                          f"gpu_memory_utilization; default {DEFAULT_MEMORY_UTILIZATION})")
     if kv_cache_tokens is None:
-        kv_cache_tokens = model.max_context or 4096
+        kv_cache_tokens = model.max_context or DEFAULT_KV_CACHE_TOKENS
     shapes = engine_shapes(topo)
     by_devices = {s.devices: s for s in shapes}
     if tensor_parallel_size and pipeline_parallel_size:
@@ -407,7 +416,11 @@ def plan_layout(
     fix = ("leave tensor_parallel_size / pipeline_parallel_size out to have them planned" if given else
            f"use a larger slice or generation, a smaller kv_cache_tokens (now {kv_cache_tokens}), or a "
            "smaller dtype")
-    tried = "; ".join(rejected[-4:]) or "no engine size matches"
+    # The largest TP-only layout's reason is the telling one (PP splits the same bytes).
+    tp_only = [r for r in rejected if " x PP 1 on " in r]
+    tried = (tp_only[-1] if tp_only else rejected[-1]) if rejected else "no engine size matches"
+    if len(rejected) > 1:
+        tried += f" (and {len(rejected) - 1} smaller or pipelined layouts)"
     raise ValueError(
         f"{model.source} ({model.num_parameters / 1e9:.2f}B parameters, {model.weight_bytes / GiB:.1f} GiB in "
         f"{model.dtype}) has no layout on one {topo}"
