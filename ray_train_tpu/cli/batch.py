@@ -35,8 +35,8 @@ def register(subparsers, add_slice_args) -> None:
     p = subparsers.add_parser("batch", help="batch inference on TPU slices (Ray Data LLM's vLLM engine)")
     p.add_argument("--model", required=True, help="HF model directory or id, or 'smollm2' (packaged)")
     add_slice_args(p)
-    p.add_argument("--input", required=True, help="prompts: .jsonl (objects) or .txt (one per line)")
-    p.add_argument("--output", required=True, help="output file (JSON lines)")
+    p.add_argument("--input", help="prompts: .jsonl (objects) or .txt (one per line); required unless --plan")
+    p.add_argument("--output", help="output file (JSON lines); required unless --plan")
     p.add_argument("--prompt-column", help="column of prompt texts (default: prompt; text for .txt)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -50,11 +50,21 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
     p.add_argument("--simulate", action="store_true",
                    help="start a SIMULATED cluster with --num-slices slices (CPU) and run on it")
+    from ray_train_tpu.serve.cli import add_plan_args
+
+    add_plan_args(p, "batch")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    from ray_train_tpu.serve.cli import _json_object, _model_source
+    from ray_train_tpu.serve.cli import _json_object, _model_source, refuse_plan_only_flags, show_plan
+
+    if args.plan:
+        return show_plan(args, out, _json_object("--engine-kwargs", args.engine_kwargs))
+    refuse_plan_only_flags(args)
+    missing = [f for f, v in (("--input", args.input), ("--output", args.output)) if not v]
+    if missing:
+        raise ValueError(f"the following arguments are required: {', '.join(missing)} (unless --plan)")
 
     if not os.path.isfile(args.input):
         raise ValueError(f"--input {args.input!r} is not a file")

@@ -44,15 +44,7 @@ def register(subparsers, add_slice_args) -> None:
                    help="start a SIMULATED cluster with one slice per replica (max_replicas when "
                         "autoscaling; CPU) and serve on it")
     p.add_argument("--print-config", action="store_true", help="print the LLMConfig as JSON and exit")
-    p.add_argument("--plan", action="store_true",
-                   help="print the layout planner's engine layout for the model on this slice (smallest TP "
-                        "that holds weights + KV budget, engines per slice) and exit; starts nothing")
-    p.add_argument("--engines-per-slice", type=int, help="with --plan: engines per slice (default: as many as fit)")
-    p.add_argument("--kv-cache-tokens", type=int,
-                   help="with --plan: KV cache each engine must hold, in tokens (default: one max_model_len "
-                        "sequence, the least vLLM starts with)")
-    p.add_argument("--num-parameters", type=float,
-                   help="with --plan: the model's parameter count (default: counted from config.json)")
+    add_plan_args(p, "serve")
     p.set_defaults(func=run)
 
 
@@ -76,8 +68,30 @@ def _json_object(flag: str, text: str | None) -> dict | None:
     return value
 
 
+def add_plan_args(p: argparse.ArgumentParser, command: str) -> None:
+    """``--plan`` and the planner's own overrides (serve and batch)."""
+    p.add_argument("--plan", action="store_true",
+                   help="print the layout planner's engine layout for the model on this slice (smallest TP "
+                        f"that holds weights + KV budget, engines per slice) and exit; starts nothing")
+    p.add_argument("--engines-per-slice", type=int, help="with --plan: engines per slice (default: as many as fit)")
+    p.add_argument("--kv-cache-tokens", type=int,
+                   help="with --plan: KV cache each engine must hold, in tokens (default: one max_model_len "
+                        "sequence, the least vLLM starts with)")
+    p.add_argument("--num-parameters", type=float,
+                   help="with --plan: the model's parameter count (default: counted from config.json)")
+    p.set_defaults(plan_command=command)
+
+
+def refuse_plan_only_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--engines-per-slice", args.engines_per_slice), ("--kv-cache-tokens", args.kv_cache_tokens),
+                        ("--num-parameters", args.num_parameters)):
+        if value is not None:
+            raise ValueError(f"{flag} {value} is a layout planner option: give it with --plan ({args.plan_command} "
+                             "runs one engine per whole slice)")
+
+
 def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None) -> int:
-    """``--plan``: the layout planner's layout, and what ``serve`` runs today."""
+    """``--plan``: the layout planner's layout, and what ``serve``/``batch`` run today."""
     from ray_train_tpu.serve import layout_planner as L
     from ray_train_tpu.serve.models import model_config
     from ray_train_tpu.serve.spec import ModelShape, SliceServeSpec
@@ -95,8 +109,9 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
     )
     out.write(f"layout plan (nothing started):\n{plan.describe()}\n")
     topo = plan.topology
+    command = args.plan_command
     if plan.whole_slice:
-        out.write(f"serve runs this layout: one engine per {topo.name} slice\n")
+        out.write(f"{command} runs this layout: one engine per {topo.name} slice\n")
         return 0
     # Serving replicas on sub-slices are not built yet: a replica owns a whole slice.
     try:
@@ -106,23 +121,20 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
         today = f"TP {whole.tensor_parallel_size} x PP {whole.pipeline_parallel_size}"
     except ValueError as e:
         today = f"no layout ({e})"
-    out.write(f"serve today runs one engine per whole slice ({today} on {topo.name}); engines on sub-slices "
+    out.write(f"{command} today runs one engine per whole slice ({today} on {topo.name}); engines on sub-slices "
               "are planned, not served yet.\n")
     if plan.engine_shape in topo.generation.topologies:
         n = plan.engines_per_slice
-        out.write(f"to serve engines of this size now, use {plan.engine_shape} slices: --topology "
-                  f"{plan.engine_shape} --num-replicas {n} (or autoscale up to {n})\n")
+        count = (f"--num-replicas {n} (or autoscale up to {n})" if command == "serve" else f"--num-slices {n}")
+        out.write(f"to run engines of this size now, use {plan.engine_shape} slices: --topology "
+                  f"{plan.engine_shape} {count}\n")
     return 0
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.plan:
         return show_plan(args, out, _json_object("--engine-kwargs", args.engine_kwargs))
-    for flag, value in (("--engines-per-slice", args.engines_per_slice), ("--kv-cache-tokens", args.kv_cache_tokens),
-                        ("--num-parameters", args.num_parameters)):
-        if value is not None:
-            raise ValueError(f"{flag} {value} is a layout planner option: give it with --plan (serve runs one "
-                             "engine per whole slice)")
+    refuse_plan_only_flags(args)
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     # Validate the slice before importing anything heavy or starting anything.
     spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)

@@ -252,3 +252,15 @@ def test_the_readme_shows_what_the_planner_prints_now(tmp_path, monkeypatch):
     argv = block[0].strip()[len("$ python -m ray_train_tpu "):].split()
     assert cli.main(argv, out=out, err=io.StringIO()) == 0
     assert out.getvalue().splitlines() == shown
+
+
+def test_batch_plan_prints_the_layout_without_input_or_output(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["batch", "--model", str(tmp_path), "--topology", "4x4", "--accelerator-type", "v5e", "--plan"],
+                    out=out, err=err)
+    assert code == 0 and "engine: TP 2 x PP 1 on 1x2" in out.getvalue(), err.getvalue()
+    assert "batch today runs one engine per whole slice (TP 16 x PP 1 on 4x4)" in out.getvalue()
+    code = cli.main(["batch", "--model", str(tmp_path), "--topology", "4x4", "--accelerator-type", "v5e"],
+                    out=out, err=err)
+    assert code == 2 and "required: --input, --output (unless --plan)" in err.getvalue()
