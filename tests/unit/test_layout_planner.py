@@ -23,9 +23,14 @@ LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14
              "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
               "num_hidden_layers": 80}
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "num_local_experts": 8,
+                "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 # Parameter counts the model cards / safetensors metadata publish (not our formula).
-PUBLISHED_PARAMETERS = {"Qwen2.5-0.5B": 494_032_768, "Llama-3-8B": 8_030_261_248, "Llama-3-70B": 70_553_706_496}
-CONFIGS = {"Qwen2.5-0.5B": QWEN25_05B, "Llama-3-8B": LLAMA3_8B, "Llama-3-70B": LLAMA3_70B}
+PUBLISHED_PARAMETERS = {"Qwen2.5-0.5B": 494_032_768, "Llama-3-8B": 8_030_261_248, "Llama-3-70B": 70_553_706_496,
+                        "Mixtral-8x7B": 46_702_792_704}
+CONFIGS = {"Qwen2.5-0.5B": QWEN25_05B, "Llama-3-8B": LLAMA3_8B, "Llama-3-70B": LLAMA3_70B,
+           "Mixtral-8x7B": MIXTRAL_8X7B}
 
 SLICES = {"TPU-V4": "2x2x4", "TPU-V5LITEPOD": "4x4", "TPU-V5P": "2x2x4", "TPU-V6E": "4x4", "TPU-V7X": "2x2x2"}
 
