@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 import uuid
 from typing import Any, Mapping, Optional
 
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 SLICE_COLUMN = "slice"
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens", SLICE_COLUMN)
 _WHERE = "BatchConfig"
+# How long the cluster check waits for intact slices to show as idle.
+IDLE_SETTLE_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,13 +54,21 @@ class BatchConfig:
         num_slices: engines, one whole slice each.
         prompt_column: the dataset's column of prompt texts.
         max_tokens, temperature: vLLM sampling; ``temperature=0`` is greedy.
-        sampling_params: more ``vllm.SamplingParams`` fields (``top_p``, ``seed``,
-            ``stop``, ...).
+        sampling_params: more ``vllm.SamplingParams`` fields (``top_p``,
+            ``stop``, ...). No per-request ``seed`` when sampling: vllm-torchtpu
+            refuses it ("JAX does not support per-request seed."); seed the
+            engine instead, ``engine_kwargs={"seed": 0}`` (one generator per engine).
         tensor_parallel_size, pipeline_parallel_size: default: sized to the slice.
         engine_kwargs: more vLLM engine arguments (``max_model_len``, ``dtype``, ...).
         batch_size: rows per Ray Data batch sent to an engine.
         max_concurrent_batches: batches in flight per engine.
         runtime_env: of the engines (our variables are added to ``env_vars``).
+        reserve_timeout_s: how long reserving a multi-host slice for an engine
+            waits for a free slice head (Ray's ``head_reservation_timeout_s``),
+            then fails with TimeoutError; default None: waits until one is free
+            (the job starts only when the cluster has ``num_slices`` idle slices,
+            so a wait means another job took one). A one-host slice's engine
+            waits for its slice without a limit, logging every 30 s.
         simulate: the simulated TPU platform (vLLM's CPU kernels, gloo);
             default: ``RAY_TRAIN_TPU_SIMULATE=1`` in this process.
     """
@@ -77,6 +88,7 @@ class BatchConfig:
     max_concurrent_batches: int = 4
     runtime_env: Optional[Mapping[str, Any]] = None
     simulate: Optional[bool] = None
+    reserve_timeout_s: Optional[float] = None
 
     def __post_init__(self):
         V.check_num_slices(_WHERE, self.num_slices)
@@ -86,6 +98,19 @@ class BatchConfig:
         V.check_int(_WHERE, "max_concurrent_batches", self.max_concurrent_batches, min=1)
         if not isinstance(self.prompt_column, str) or not self.prompt_column:
             raise V.fail(_WHERE, "prompt_column", self.prompt_column, "a column name", error=TypeError)
+        if self.reserve_timeout_s is not None:
+            V.check_seconds(_WHERE, "reserve_timeout_s", self.reserve_timeout_s,
+                            fix="e.g. reserve_timeout_s=600, or None to wait until a slice is free")
+        if not isinstance(self.sampling_params, Mapping):
+            raise V.fail(_WHERE, "sampling_params", self.sampling_params, "a dict of vllm.SamplingParams fields",
+                         error=TypeError)
+        if self.sampling_params.get("seed") is not None and self.temperature != 0:
+            raise ValueError(
+                f"{_WHERE}(sampling_params={{'seed': {self.sampling_params['seed']!r}}}) with temperature="
+                f"{self.temperature}: vllm-torchtpu refuses a per-request seed for a sampled request "
+                "(\"JAX does not support per-request seed.\"); seed the engine instead: "
+                f"engine_kwargs={{'seed': {self.sampling_params['seed']!r}}}"
+            )
         clash = {"max_tokens", "temperature"} & set(self.sampling_params)
         if clash:
             raise ValueError(f"{_WHERE}(sampling_params=...) sets {sorted(clash)}; give them as "
@@ -175,7 +200,7 @@ class SliceBatchProcessor:
         R.place_engines(
             processor, _batch_engine.SliceEngineUDF,
             functools.partial(reserve_slice, self.job, engine.spec.topology,
-                              engine.spec.accelerator_type, engine.strategy),
+                              engine.spec.accelerator_type, engine.strategy, timeout_s=cfg.reserve_timeout_s),
             slice_topology=engine.spec.topology, slice_accelerator_type=engine.spec.accelerator_type,
             slice_column=SLICE_COLUMN,
         )
@@ -204,17 +229,31 @@ _RESERVATIONS: dict[str, list] = {}
 _LOCK = threading.Lock()
 
 
-def reserve_slice(job: str, topology: str, accelerator_type: str, strategy: str) -> dict:
-    """Reserve one whole free slice for an engine actor (blocks until its head
-    is reserved); returns the actor's scheduling strategy."""
+def reserve_slice(job: str, topology: str, accelerator_type: str, strategy: str,
+                  timeout_s: Optional[float] = None) -> dict:
+    """Reserve one whole free slice for an engine actor; returns the actor's
+    scheduling strategy.
+
+    A multi-host slice is reserved by its head (Ray's ``reserve_tpu_slice``):
+    this call blocks until a free slice head is reserved, at most `timeout_s`
+    seconds (None: no limit), then raises TimeoutError. A one-host slice has
+    no head: the call returns at once and the engine actor waits for its
+    placement group (`_layout.wait_for_slice`, logging every 30 s)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from ray.util.tpu import SlicePlacementGroup
 
     with _LOCK:
         handles = _RESERVATIONS.setdefault(job, [])
-        handle = SlicePlacementGroup(topology=topology, accelerator_version=accelerator_type,
-                                     resources_per_bundle={"TPU": 1}, strategy=strategy,
-                                     name=f"{job}-engine-{len(handles)}")
+        try:
+            handle = SlicePlacementGroup(topology=topology, accelerator_version=accelerator_type,
+                                         resources_per_bundle={"TPU": 1}, strategy=strategy,
+                                         name=f"{job}-engine-{len(handles)}", head_reservation_timeout_s=timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"no {accelerator_type} {topology} slice head became free within BatchConfig(reserve_timeout_s="
+                f"{timeout_s}) for engine {len(handles)} of batch job {job} (another job holds the slices); "
+                "raise reserve_timeout_s, or None to wait until one is free"
+            ) from e
         handles.append(handle)
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         handle.placement_group, placement_group_capture_child_tasks=True)}
@@ -254,16 +293,25 @@ def _columns(dataset: Any) -> list:
 
 
 def _check_cluster(config: BatchConfig) -> None:
-    """Refuse, before anything is reserved, a job the cluster has too few slices for."""
+    """Refuse, before anything is reserved, a job the cluster has too few idle
+    slices for (intact and with every chip free: Ray's ``get_num_ready_tpu_slices``)."""
     import ray
-    from ray.util.tpu import get_num_tpu_slices
+    from ray.util.tpu import get_num_ready_tpu_slices, get_num_tpu_slices
 
     if not ray.is_initialized():
         ray.init()
     spec = config.engine.spec
-    have = get_num_tpu_slices(spec.topology, spec.accelerator_type)
-    if have < config.num_slices:
+    idle = get_num_ready_tpu_slices(spec.topology, spec.accelerator_type)
+    intact = get_num_tpu_slices(spec.topology, spec.accelerator_type) if idle < config.num_slices else idle
+    deadline = time.monotonic() + IDLE_SETTLE_S
+    # Chips of a slice released a moment ago reach Ray's resource view a
+    # heartbeat later: give slices that exist a few seconds to show as idle.
+    while idle < config.num_slices <= intact and time.monotonic() < deadline:
+        time.sleep(0.5)
+        idle = get_num_ready_tpu_slices(spec.topology, spec.accelerator_type)
+    if idle < config.num_slices:
         raise ValueError(
-            f"BatchConfig(num_slices={config.num_slices}) needs {config.num_slices} {spec.accelerator_type} "
-            f"{spec.topology} slices, but the Ray cluster has {have}; lower num_slices or add slices"
+            f"BatchConfig(num_slices={config.num_slices}) needs {config.num_slices} idle {spec.accelerator_type} "
+            f"{spec.topology} slices, but the Ray cluster has {idle} idle (of {intact} intact; the others run "
+            "something else); lower num_slices, add slices, or wait for the running jobs to end"
         )

@@ -2,6 +2,7 @@
 (Ray Serve LLM's vLLM engine, one whole slice per replica).
 
     python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E
+    python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E --plan
     python -m ray_train_tpu serve --model smollm2 --topology 2x2x2 --accelerator-type TPU-V4 --simulate
     python -m ray_train_tpu serve --model /models/m --topology 4x4 --accelerator-type TPU-V6E \
         --autoscaling-config '{"min_replicas": 1, "max_replicas": 4}'
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import TextIO
 
@@ -42,6 +44,7 @@ def register(subparsers, add_slice_args) -> None:
                    help="start a SIMULATED cluster with one slice per replica (max_replicas when "
                         "autoscaling; CPU) and serve on it")
     p.add_argument("--print-config", action="store_true", help="print the LLMConfig as JSON and exit")
+    add_plan_args(p, "serve")
     p.set_defaults(func=run)
 
 
@@ -65,7 +68,73 @@ def _json_object(flag: str, text: str | None) -> dict | None:
     return value
 
 
+def add_plan_args(p: argparse.ArgumentParser, command: str) -> None:
+    """``--plan`` and the planner's own overrides (serve and batch)."""
+    p.add_argument("--plan", action="store_true",
+                   help="print the layout planner's engine layout for the model on this slice (smallest TP "
+                        f"that holds weights + KV budget, engines per slice) and exit; starts nothing")
+    p.add_argument("--engines-per-slice", type=int, help="with --plan: engines per slice (default: as many as fit)")
+    p.add_argument("--kv-cache-tokens", type=int,
+                   help="with --plan: KV cache each engine must hold, in tokens (default: one max_model_len "
+                        "sequence, the least vLLM starts with)")
+    p.add_argument("--num-parameters", type=float,
+                   help="with --plan: the model's parameter count (default: counted from config.json)")
+    p.set_defaults(plan_command=command)
+
+
+def refuse_plan_only_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--engines-per-slice", args.engines_per_slice), ("--kv-cache-tokens", args.kv_cache_tokens),
+                        ("--num-parameters", args.num_parameters)):
+        if value is not None:
+            raise ValueError(f"{flag} {value} is a layout planner option: give it with --plan ({args.plan_command} "
+                             "runs one engine per whole slice)")
+
+
+def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None) -> int:
+    """``--plan``: the layout planner's layout, and what ``serve``/``batch`` run today."""
+    from ray_train_tpu.serve import layout_planner as L
+    from ray_train_tpu.serve.models import model_config
+    from ray_train_tpu.serve.spec import ModelShape, SliceServeSpec
+
+    source, _ = _model_source(args.model)
+    config = model_config(source)
+    count = args.num_parameters
+    if count is not None and not (count >= 1 and float(count).is_integer()):
+        raise ValueError(f"--num-parameters {count!r} must be a whole number >= 1, e.g. 8.03e9")
+    plan = L.plan_from_config(
+        config, args.topology, args.accelerator_type, source=args.model, engine_kwargs=engine_kwargs,
+        num_parameters=None if count is None else int(count),
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        engines_per_slice=args.engines_per_slice, kv_cache_tokens=args.kv_cache_tokens,
+    )
+    out.write(f"layout plan (nothing started):\n{plan.describe()}\n")
+    topo = plan.topology
+    command = args.plan_command
+    if plan.whole_slice:
+        out.write(f"{command} runs this layout: one engine per {topo.name} slice\n")
+        return 0
+    # Serving replicas on sub-slices are not built yet: a replica owns a whole slice.
+    try:
+        whole = SliceServeSpec(accelerator_type=topo.accelerator_type, topology=topo.name,
+                               model=dataclasses.replace(ModelShape.from_config(config, source=args.model),
+                                                         footprint=plan.model))
+        today = f"TP {whole.tensor_parallel_size} x PP {whole.pipeline_parallel_size}"
+    except ValueError as e:
+        today = f"no layout ({e})"
+    out.write(f"{command} today runs one engine per whole slice ({today} on {topo.name}); engines on sub-slices "
+              "are planned, not served yet.\n")
+    if plan.engine_shape in topo.generation.topologies:
+        n = plan.engines_per_slice
+        count = (f"--num-replicas {n} (or autoscale up to {n})" if command == "serve" else f"--num-slices {n}")
+        out.write(f"to run engines of this size now, use {plan.engine_shape} slices: --topology "
+                  f"{plan.engine_shape} {count}\n")
+    return 0
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    if args.plan:
+        return show_plan(args, out, _json_object("--engine-kwargs", args.engine_kwargs))
+    refuse_plan_only_flags(args)
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     # Validate the slice before importing anything heavy or starting anything.
     spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)

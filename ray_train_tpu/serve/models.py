@@ -156,8 +156,19 @@ def save_tiny_model(
 
 def model_shape(source: str) -> ModelShape:
     """Heads and layers of a model source, from its ``config.json`` (a local
-    directory, or a Hugging Face id through transformers' cache/Hub)."""
-    return ModelShape.from_config(model_config(source), source=source)
+    directory, or a Hugging Face id through transformers' cache/Hub), with its
+    memory footprint where the config says enough to count it."""
+    import dataclasses
+
+    from ray_train_tpu.serve.layout_planner import ModelFootprint
+
+    config = model_config(source)
+    shape = ModelShape.from_config(config, source=source)
+    try:
+        footprint = ModelFootprint.from_config(config, source=source)
+    except ValueError:  # an architecture the planner cannot count: sized by heads and layers only
+        return shape
+    return dataclasses.replace(shape, footprint=footprint)
 
 
 def model_context_length(source: str) -> Optional[int]:

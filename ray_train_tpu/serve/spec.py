@@ -34,6 +34,9 @@ class ModelShape:
     num_key_value_heads: int
     num_hidden_layers: int
     source: str = "model"
+    # The model's memory needs (a `layout_planner.ModelFootprint`), when its
+    # config says enough to count them: a layout that cannot hold them is refused.
+    footprint: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for field in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
@@ -161,6 +164,15 @@ class SliceServeSpec:
         )
         object.__setattr__(self, "tensor_parallel_size", tp)
         object.__setattr__(self, "pipeline_parallel_size", pp)
+        footprint = self.model and self.model.footprint
+        why = footprint and footprint.memory_problem(gen, tp, pp)
+        if why:
+            raise ValueError(
+                f"{self.model.source} does not fit one {topo} as tensor_parallel_size {tp} x "
+                f"pipeline_parallel_size {pp}: {why} (rule: weights + one full-context sequence of KV cache "
+                f"within 90% of each device's HBM); use a larger slice: python -m ray_train_tpu serve --model "
+                f"{self.model.source} --topology <larger> --accelerator-type {topo.accelerator_type} --plan"
+            )
 
     @property
     def parsed(self) -> Topology:

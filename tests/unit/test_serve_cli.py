@@ -150,3 +150,121 @@ def test_a_dataset_without_the_prompt_column_is_refused_before_anything_is_reser
     with pytest.raises(ValueError, match="no column 'prompt' \\(its columns: \\['text', 'id'\\]\\).*prompt_column"):
         processor(Dataset())
     assert processor.release() == 0  # nothing was reserved
+
+
+@pytest.mark.parametrize(
+    "lines, argv, words",
+    [
+        (['{"prompt": "hi"}', '{"text": "no prompt"}'], [], ["line 2 has no 'prompt' text", "['text']",
+                                                           "--prompt-column"]),
+        (['{"prompt": "hi"}'], ["--prompt-column", "question"], ["line 1 has no 'question' text"]),
+        (['{"prompt": 3}'], [], ["line 1 has int 'prompt' text"]),
+        (['{"prompt": "hi"}', "not json"], [], ["line 2 is not JSON"]),
+        (['["hi"]'], [], ["line 1 is list, not a JSON object"]),
+        (["", "  "], [], ["has no prompts"]),
+    ],
+    ids=["missing-column", "unknown-prompt-column", "not-text", "not-json", "not-object", "empty"],
+)
+def test_batch_cli_checks_every_input_line_before_starting_anything(model_dir, tmp_path, lines, argv, words):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    before = {m for m in ("ray", "vllm") if m in sys.modules}
+    err = io.StringIO()
+    code = cli.main(["batch", "--model", model_dir, "--topology", "2x2x1", "--accelerator-type", "v4",
+                     "--input", str(src), "--output", str(output), *argv], out=io.StringIO(), err=err)
+    line = err.getvalue()
+    assert code == 2 and line.count("\n") == 1 and all(w in line for w in words), line
+    assert {m for m in ("ray", "vllm") if m in sys.modules} == before  # no cluster, no engine
+    assert not output.exists() and not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_batch_cli_refuses_a_column_a_text_file_does_not_have(model_dir, tmp_path):
+    src = tmp_path / "prompts.txt"
+    src.write_text("hello\n")
+    err = io.StringIO()
+    code = cli.main(["batch", "--model", model_dir, "--topology", "2x2x1", "--accelerator-type", "v4",
+                     "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--prompt-column", "prompt"],
+                    out=io.StringIO(), err=err)
+    assert code == 2 and "a .txt input has one column, 'text'" in err.getvalue()
+
+
+def test_a_failed_batch_run_leaves_no_partial_output(model_dir, tmp_path, monkeypatch):
+    from ray_train_tpu.cli import batch as batch_cli
+    from ray_train_tpu.serve import batch
+
+    class Failing:
+        def __init__(self, config):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def __call__(self, ds):
+            def rows():
+                yield {"prompt": "hi", "num_generated_tokens": 1}
+                raise RuntimeError("engine died")
+            return types.SimpleNamespace(iter_rows=rows)
+
+    fake_ray = types.SimpleNamespace(data=types.SimpleNamespace(read_text=lambda path: "ds"))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(batch, "SliceBatchProcessor", Failing)
+    src = tmp_path / "p.txt"
+    src.write_text("hi\n")
+    args = types.SimpleNamespace(input=str(src), output=str(tmp_path / "out.jsonl"))
+    config = BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", simulate=True)
+    with pytest.raises(RuntimeError, match="engine died"):
+        batch_cli._run(config, args, True, io.StringIO(), simulated=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "p.txt"]
+
+
+def test_a_per_request_seed_is_refused_for_sampling_and_the_engine_seed_is_named(model_dir):
+    with pytest.raises(ValueError, match=r"refuses a per-request seed.*engine_kwargs=\{'seed': 7\}"):
+        BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", simulate=True, temperature=0.8,
+                    sampling_params={"seed": 7})
+    greedy = BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", simulate=True,
+                         sampling_params={"seed": 7})  # greedy: vllm-torchtpu lets it through
+    assert greedy.sampling["seed"] == 7
+    assert "seed" not in BatchConfig.__doc__.split("sampling_params:")[1].split("No per-request")[0]
+    with pytest.raises(ValueError, match="reserve_timeout_s=0"):
+        BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", simulate=True, reserve_timeout_s=0)
+
+
+def test_reserve_slice_waits_as_long_as_the_user_said_and_names_it(monkeypatch):
+    import ray.util.tpu
+
+    from ray_train_tpu.serve import batch
+
+    seen = {}
+
+    class NoFreeHead:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise TimeoutError("Timed out waiting for TPU head")
+
+    monkeypatch.setattr(ray.util.tpu, "SlicePlacementGroup", NoFreeHead)
+    with pytest.raises(TimeoutError, match=r"no TPU-V4 2x2x2 slice head became free within "
+                                           r"BatchConfig\(reserve_timeout_s=12.5\)"):
+        batch.reserve_slice("job-x", "2x2x2", "TPU-V4", "SPREAD", timeout_s=12.5)
+    assert seen["head_reservation_timeout_s"] == 12.5 and batch.reservations("job-x") == 0
+
+
+def test_the_cluster_check_counts_idle_slices_not_intact_ones(model_dir, monkeypatch):
+    import ray
+    import ray.util.tpu
+
+    from ray_train_tpu.serve import batch
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util.tpu, "get_num_tpu_slices", lambda topology, accelerator_type: 2)
+    monkeypatch.setattr(ray.util.tpu, "get_num_ready_tpu_slices", lambda topology, accelerator_type: 1)
+    monkeypatch.setattr(batch, "IDLE_SETTLE_S", 0.0)
+    config = BatchConfig(model=model_dir, topology="2x2x1", accelerator_type="v4", num_slices=2, simulate=True)
+    with pytest.raises(ValueError, match=r"needs 2 idle TPU-V4 2x2x1 slices, but the Ray cluster has 1 idle "
+                                         r"\(of 2 intact"):
+        batch._check_cluster(config)
+    monkeypatch.setattr(ray.util.tpu, "get_num_ready_tpu_slices", lambda topology, accelerator_type: 2)
+    batch._check_cluster(config)

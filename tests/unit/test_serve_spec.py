@@ -208,7 +208,8 @@ def test_a_one_chip_engine_checks_its_chip_and_slice(monkeypatch):
         check_chip_engine(slice_name="trainer", chips=["3"], env=host)
 
 
-@pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan"])
+@pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan",
+                                  "ray_train_tpu.serve.layout_planner"])
 def test_doctests_of_the_pure_serving_modules_pass(name):
     import doctest
     import importlib
@@ -254,3 +255,26 @@ def test_model_shape_of_a_directory_and_a_gguf_file(tmp_path):
     assert model_shape(str(tmp_path)).num_key_value_heads == 2
     with pytest.raises(ValueError, match="GGUF file; vLLM serves a Hugging Face directory"):
         model_shape(smollm2_gguf())
+
+
+def test_a_whole_slice_engine_that_cannot_hold_the_model_is_refused_before_anything_starts(tmp_path):
+    from ray_train_tpu.serve.models import model_shape
+
+    # Llama-3-70B's config.json (bf16, 70.55B parameters): 131 GiB of weights.
+    config = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256,
+              "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = model_shape(str(tmp_path))
+    assert SliceServeSpec(accelerator_type="v6e", topology="4x4", model=shape).tensor_parallel_size == 16
+    with pytest.raises(ValueError, match=r"does not fit one TPU-V6E 2x2 .* as tensor_parallel_size 4 x "
+                                         r"pipeline_parallel_size 1: weights 32.85 GiB .* > 28.80 GiB usable.*--plan"):
+        SliceServeSpec(accelerator_type="v6e", topology="2x2", model=shape)
+    err = io.StringIO()
+    code = main(["serve", "--model", str(tmp_path), "--topology", "2x2", "--accelerator-type", "TPU-V6E"],
+                out=io.StringIO(), err=err)
+    assert code == 2 and err.getvalue().count("\n") == 1 and "does not fit one TPU-V6E 2x2" in err.getvalue()
+    # A config the planner cannot count (no vocab_size) is sized by heads and layers alone.
+    del config["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_shape(str(tmp_path)).footprint is None
