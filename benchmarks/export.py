@@ -16,7 +16,7 @@ hence peak memory, stay small beside the model; its peak is about twice the
 largest file, whatever the model size. Peak memory is each process's
 ``ru_maxrss``, also as the growth over the RSS before the export started
 (imports of torch and transformers are in the baseline). Export time is the
-call alone (not the interpreter start). Everything runs on the host CPU: the
+call alone (not the interpreter start, nor the imports both ways share, done first). Everything runs on the host CPU: the
 numbers are the same on a TPU VM's host in kind, not in value.
 
 With ``--vllm`` the smallest export is also loaded by vLLM (CPU, in a
@@ -92,9 +92,20 @@ def _write_checkpoint(rank, world, base, ckpt):
     checkpoint.save(ckpt, model=model, step=1)
 
 
+def _warm_imports() -> None:
+    """What either way imports, before the clock and the RSS baseline start (imports are not the export)."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    from ray_train_tpu.checkpoint import export  # noqa: F401
+
+
 def _export_rank(rank, world, ckpt, base, dest, max_file_bytes):
     from ray_train_tpu.checkpoint import export_hf
 
+    _warm_imports()
     before = _current_rss_mib()
     start = time.perf_counter()
     export_hf(ckpt, base, dest, max_file_bytes=max_file_bytes)
@@ -110,6 +121,7 @@ def one(mode: str, ckpt: str, base: str, dest: str, max_file_bytes: int) -> dict
 
     if mode == "export":
         return _export_rank(0, 1, ckpt, base, dest, max_file_bytes)
+    _warm_imports()
     before = _current_rss_mib()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -46,6 +46,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -335,12 +336,14 @@ def _write_file(plan: dict, index: int, group: list, staging: Path) -> tuple:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     state = {"model": {name: torch.empty(shape, dtype=getattr(torch, saved)) for name, _, shape, saved in group}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(plan["checkpoint"]), no_dist=True)
-    out_dtype = getattr(torch, plan["dtype"])
-    tensors = {hf: state["model"].pop(name).to(out_dtype) for name, hf, _, _ in group}
     part = staging / f"file{index}"
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(part), fqn_to_index_mapping=plan["fqn_to_index"]),
-             no_dist=True)
+    with warnings.catch_warnings():  # no_dist is meant: each process reads and writes whole tensors of its own
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(plan["checkpoint"]), no_dist=True)
+        out_dtype = getattr(torch, plan["dtype"])
+        tensors = {hf: state["model"].pop(name).to(out_dtype) for name, hf, _, _ in group}
+        dcp.save(tensors, no_dist=True,
+                 storage_writer=HuggingFaceStorageWriter(str(part), fqn_to_index_mapping=plan["fqn_to_index"]))
     del tensors
     (written,) = [p for p in part.iterdir() if p.suffix == ".safetensors"]
     _publish(plan, written, written.name)

@@ -263,6 +263,8 @@ def test_cli_exports_and_refuses_in_one_line(tied, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("ray_train_tpu: error: destination") and "--overwrite" in err and len(err.splitlines()) == 1
     assert main([*argv, "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert main([*argv, "--overwrite", "--max-file-mib", "0"]) == 2
+    assert "--max-file-mib: '0' is not a whole number of MiB" in capsys.readouterr().err
 
 
 def test_hf_names_drops_one_prefix_and_tied_copies_only():
