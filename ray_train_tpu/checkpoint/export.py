@@ -11,7 +11,8 @@ FSDP2, TP, FSDP2+TP, HSDP; our trainer's and GRPO's trainer's checkpoints are
 the same format), and never gathers the model in one process: the output is cut
 into files of at most ``max_file_bytes`` (one tensor may exceed it), and a
 process reads, with DCP's resharding reader, only the tensors of the file it
-writes, one file at a time. Peak host memory is about twice the largest file.
+writes, one file at a time. Peak host memory grows by about three times the
+largest file (its tensors, and the bytes DCP's writer serializes them into).
 Called on every rank of a process group (e.g. inside Ray Train workers), the
 files are shared out among the ranks; called in one process (the CLI), that
 process writes them all, one after another.
@@ -57,7 +58,7 @@ from ray_train_tpu.checkpoint.manifest import CheckpointError, verify
 logger = logging.getLogger("ray_train_tpu.checkpoint")
 
 INDEX = "model.safetensors.index.json"
-DEFAULT_MAX_FILE_BYTES = 2 << 30
+DEFAULT_MAX_FILE_BYTES = 1 << 30
 _MODEL_KEY = "model."  # the model's part of our DCP checkpoint (see writer._dcp_state)
 # Base-model files that are weights (ours replace them) or not part of a model directory.
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.index\.json$")
@@ -154,7 +155,7 @@ def _plan(checkpoint, base_model_dir, dest, overwrite, filesystem, dtype, max_fi
     from ray_train_tpu import _validate as V
 
     V.check_bool("export_hf", "overwrite", overwrite)
-    V.check_int("export_hf", "max_file_bytes", max_file_bytes, min=1, fix="e.g. max_file_bytes=2 << 30")
+    V.check_int("export_hf", "max_file_bytes", max_file_bytes, min=1, fix="e.g. max_file_bytes=1 << 30")
     ckpt = _checkpoint_dir(checkpoint)
     try:
         manifest = verify(ckpt)

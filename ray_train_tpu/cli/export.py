@@ -13,7 +13,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB >= 1, e.g. 2048")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB >= 1, e.g. 1024")
     return int(text)
 
 
@@ -47,6 +47,6 @@ def register(subparsers, add_slice_args: Callable[[argparse.ArgumentParser], Non
     p.add_argument("--dest", required=True, help="output directory: a path or a URI (gs://, s3://, file://...)")
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty destination")
     p.add_argument("--dtype", choices=_DTYPES, help="cast the weights (default: the checkpoint's dtype)")
-    p.add_argument("--max-file-mib", type=_positive_int, default=2048,
-                   help="largest safetensors file in MiB; peak memory is about twice this (default 2048)")
+    p.add_argument("--max-file-mib", type=_positive_int, default=1024,
+                   help="largest safetensors file in MiB; peak memory grows by about 3 times this (default 1024)")
     p.set_defaults(func=_export)
