@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 import warnings
@@ -205,10 +206,17 @@ def _checkpoint_tensors(ckpt: Path) -> dict:
     return ours
 
 
+def _safetensors_shapes(path: Path) -> dict:
+    """``{name: shape}`` from a safetensors file's header alone: 8 bytes of length, then JSON.
+    (``safe_open`` maps the whole file, and the pages it touches count in this process's RSS.)"""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
 def _base_model(base_dir: Path) -> tuple[dict, dict]:
     """The base model's ``{tensor name: shape}`` (safetensors headers only) and its config."""
-    from safetensors import safe_open
-
     if not (base_dir / "config.json").is_file():
         raise ExportError(f"base model {base_dir} has no config.json: pass a local Hugging Face model directory "
                           "(e.g. from huggingface_hub.snapshot_download or save_pretrained)")
@@ -218,9 +226,10 @@ def _base_model(base_dir: Path) -> tuple[dict, dict]:
                           "them); re-save it with save_pretrained(safe_serialization=True)")
     base = {}
     for path in weights:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                base[name] = tuple(f.get_slice(name).get_shape())
+        try:
+            base.update(_safetensors_shapes(path))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise ExportError(f"base model file {path} is not a readable safetensors file ({e})") from e
     return base, json.loads((base_dir / "config.json").read_text())
 
 
