@@ -14,7 +14,7 @@ processes:
 ``export_hf`` runs with ``--max-file-mib`` (default 64) so that files, and
 hence peak memory, stay small beside the model; its peak grows by about three times the
 largest file, whatever the model size. Peak memory is each process's
-``ru_maxrss``, also as the growth over the RSS before the export started
+``VmHWM`` (the high-water mark of its RSS), also as the growth over the RSS before the export started
 (imports of torch and transformers are in the baseline). Export time is the
 call alone (not the interpreter start, nor the imports both ways share, done first). Everything runs on the host CPU: the
 numbers are the same on a TPU VM's host in kind, not in value.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -53,7 +52,11 @@ VOCAB = 8000
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS: ``VmHWM``, the high-water mark of its own address space. (Not
+    ``ru_maxrss``: Linux carries it over fork and exec, so a process started by a big parent
+    reports the parent's RSS as its own peak.)"""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def _current_rss_mib() -> float:

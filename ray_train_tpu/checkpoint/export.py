@@ -52,7 +52,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ray_train_tpu.checkpoint._collective import _all_gather, _barrier, _broadcast, _rank_world
+from ray_train_tpu.checkpoint._collective import _all_gather, _broadcast, _rank_world
 from ray_train_tpu.checkpoint._hf_names import hf_names
 from ray_train_tpu.checkpoint.manifest import CheckpointError, verify
 
@@ -110,9 +110,7 @@ def export_hf(checkpoint, base_model_dir, dest, overwrite: bool = False, *, file
     plan = _agree(lambda: _plan(checkpoint, base_model_dir, dest, overwrite, filesystem, dtype, max_file_bytes),
                   rank)
     written = _agree_all(lambda: _write_files(plan, rank, world))
-    if rank == 0:
-        _finish(plan, [f for part in written for f in part])
-    _barrier()
+    _agree(lambda: _finish(plan, [f for part in written for f in part]), rank)  # no rank waits on a failed one
     files = tuple(sorted(f[0] for part in written for f in part))
     return ExportInfo(dest=str(dest), step=plan["step"], world_size=plan["world_size"], files=files,
                       num_tensors=len(plan["fqn_to_index"]), num_bytes=plan["num_bytes"], dtype=plan["dtype"],
@@ -137,15 +135,15 @@ def _agree(fn, rank: int):
 
 def _agree_all(fn) -> list:
     """``fn()`` on every rank; every rank's result, or every rank raises the first error."""
+    error = None
     try:
         mine = ("ok", fn())
     except Exception as e:
-        mine = ("error", f"{type(e).__name__}: {e}")
-        logger.exception("ray_train_tpu: export failed on this rank")
+        error, mine = e, ("error", f"{type(e).__name__}: {e}")
     every = _all_gather(mine)
     failed = [f"rank {r}: {m[1]}" for r, m in enumerate(every) if m[0] == "error"]
     if failed:
-        raise RuntimeError("export failed: " + "; ".join(failed))
+        raise RuntimeError("export failed: " + "; ".join(failed)) from error
     return [m[1] for m in every]
 
 
