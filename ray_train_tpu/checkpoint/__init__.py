@@ -23,6 +23,9 @@ iteration, so a restarted DDP would sum its first step's gradients in another
 order (last-bit differences); ``DDPStrategy`` (``strategy="ddp"``, the default)
 fixes them before the first step.
 
+`export_hf` turns a checkpoint's model into a Hugging Face directory
+(safetensors + the base model's config and tokenizer) for serving and RL.
+
 Example:
     >>> from ray_train_tpu import checkpoint
     >>> checkpoint.save(f"/ckpt/step_{step}", model=model, optimizer=opt, step=step)  # doctest: +SKIP
@@ -41,6 +44,7 @@ from ray_train_tpu.checkpoint.manifest import (
     latest_checkpoint,
     verify,
 )
+from ray_train_tpu.checkpoint.export import ExportError, ExportInfo, export_hf
 from ray_train_tpu.checkpoint.preemption import Preempted, PreemptionGuard
 from ray_train_tpu.checkpoint.reader import load
 from ray_train_tpu.checkpoint.reporting import report, restore
@@ -48,6 +52,7 @@ from ray_train_tpu.checkpoint.writer import AsyncSave, save, wait
 
 __all__ = [
     "FORMAT", "MANIFEST", "AsyncSave", "CheckpointError", "CheckpointInfo", "CheckpointNotFoundError",
+    "ExportError", "ExportInfo", "export_hf",
     "Preempted", "PreemptionGuard",
     "fingerprint", "latest_checkpoint", "load", "report", "restore", "save", "verify", "wait",
 ]

@@ -256,6 +256,26 @@ def test_resume_after_worker_failure_is_bitwise_exact(sim, tmp_path, strategy, f
     _assert_exact_resume(run)
     if fail == "save":  # the step being written never became a checkpoint
         assert run["attempts"][1][0]["resumed_from"] < FAIL_AFTER
+    if strategy == "fsdp2":
+        _assert_exports_bitwise(run, tmp_path)
+
+
+def _assert_exports_bitwise(run, tmp_path):
+    """Ray's last checkpoint (FSDP2, 8 ranks on 2 simulated hosts), exported in this process as a
+    Hugging Face directory, holds the final full state dict bit for bit (issue 34)."""
+    from safetensors.torch import load_file, save_file
+
+    from ray_train_tpu.checkpoint import export_hf
+
+    final = run["resumed"]["model"]
+    base = tmp_path / "base"  # a "base model": the same names and shapes, other values
+    base.mkdir()
+    save_file({k: torch.zeros_like(v) for k, v in final.items()}, str(base / "model.safetensors"))
+    (base / "config.json").write_text("{}")
+    info = export_hf(run["result"].checkpoint, base, tmp_path / "exported")
+    assert (info.step, info.world_size) == (STEPS, WORLD)
+    exported = load_file(str(tmp_path / "exported" / info.files[0]))
+    _assert_bitwise_equal(exported, final, "export")
 
 
 def test_lost_host_restarts_the_run_on_a_whole_free_slice(sim, tmp_path):

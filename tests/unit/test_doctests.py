@@ -22,6 +22,7 @@ MODULES = [
     "ray_train_tpu.cli.plan",
     "ray_train_tpu.doctor",
     "ray_train_tpu.checkpoint.manifest",
+    "ray_train_tpu.checkpoint._hf_names",
     "ray_train_tpu.strategies",
     "ray_train_tpu.strategies.registry",
     "ray_train_tpu.strategies.base",
