@@ -261,23 +261,6 @@ def test_an_untested_upstream_version_is_said_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "ray_train_tpu's probe seams were checked against probe 0.29.0, found 0.30.1; "
         "tests/unit/test_compat.py tells whether they still hold"]
-@pytest.fixture
-def vllm_importable():
-    """libtpu is installed here: vLLM imports only in explicit simulation. Importing it
-    also sets variables and a root log handler: give them back."""
-    import logging
-    import os
-
-    env, root = dict(os.environ), logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    os.environ[C.RAY_TRAIN_TPU_SIMULATE] = "1"
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def test_pinned_vllm_version_and_rl_seams_exist(vllm_importable):
     """ray_train_tpu._compat.vllm (the rl section): worker_extension_cls mixed into any
     worker, the layerwise reload bracket, and the layer attributes parity reads."""

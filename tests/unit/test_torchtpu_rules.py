@@ -30,22 +30,6 @@ def src():
     return S.source_dir(fetch=False)
 
 
-@pytest.fixture
-def vllm_importable():
-    """vLLM imports here only in explicit simulation; it also sets variables and a
-    root log handler on import: give them back."""
-    import logging
-
-    env, root = dict(os.environ), logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    os.environ[C.RAY_TRAIN_TPU_SIMULATE] = "1"
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 # --- requests: seeded sampling
 
 
