@@ -7,3 +7,24 @@ import os
 # is imported in this process and in every process it starts.
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_connection_outlives_its_module(request):
+    """A module that leaves this process connected to Ray changes what every later
+    module sees (a CLI that would connect uses the stale connection instead; Ray's
+    log filter starts asking the runtime context): fail that module, by name, and
+    disconnect, so the damage stops there."""
+    ray = sys.modules.get("ray")
+    before = ray is not None and ray.is_initialized()
+    yield
+    ray = sys.modules.get("ray")
+    if not before and ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left this process connected to Ray; "
+                    "shut it down in the fixture or test that connected", pytrace=False)

@@ -392,7 +392,8 @@ def test_ray_prepare_functions_are_routed_on_train_v2_and_v1(monkeypatch):
     calls = []
     compat_ray.route_ray_prepare(lambda *a: calls.append(a) or "ours", lambda: None)
     assert ray.train.torch.prepare_model("m") == "ours" and v2.prepare_model("m", parallel_strategy=None) == "ours"
-    assert _TorchAccelerator().prepare_model("m") == "ours" and len(calls) == 3
+    # (without _TorchAccelerator.__init__, which connects this process to Ray)
+    assert object.__new__(_TorchAccelerator).prepare_model("m") == "ours" and len(calls) == 3
     assert all(m.prepare_data_loader is ray.train.torch.prepare_data_loader for m in modules)
     assert compat_ray._ray_originals["prepare_data_loader"] is not ray.train.torch.prepare_data_loader
 
