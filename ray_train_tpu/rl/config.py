@@ -175,8 +175,12 @@ class GRPOConfig:
         overlap: sample step k+1 while step k trains (one step off-policy).
         sync_bucket_mb: weights travel in buckets of about this size, loaded
             while the next ones are still in transit.
-        checkpoint_dir: trainer checkpoints (default: a new temporary directory,
-            removed by `GRPOLoop.shutdown` unless ``keep_checkpoints``).
+        checkpoint_dir: trainer checkpoints, on storage every host sees: a path on
+            a filesystem every host mounts, or a URI (``gs://bucket/run``,
+            ``s3://...``; pyarrow.fs, as Ray Train's ``storage_path``). None: a
+            new temporary directory on the driver, removed by `GRPOLoop.shutdown`
+            unless ``keep_checkpoints`` - only on a one-node cluster (refused on
+            more nodes, whose hosts would not see it; `rl.storage`).
         checkpoint_every: steps between checkpoints.
         check_parity_every: syncs between bitwise parity checks (0: never).
         reward_workers, reward_timeout_s, on_reward_error: the reward tasks; a
@@ -248,6 +252,11 @@ class GRPOConfig:
         V.check_bool(w, "keep_checkpoints", self.keep_checkpoints)
         V.check_number(w, "sync_bucket_mb", self.sync_bucket_mb, max=65536.0, fix="e.g. sync_bucket_mb=64")
         V.check_seconds(w, "reward_timeout_s", self.reward_timeout_s)
+        if isinstance(self.checkpoint_dir, Path):
+            self.checkpoint_dir = str(self.checkpoint_dir)
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise V.fail(w, "checkpoint_dir", self.checkpoint_dir, "a path every host mounts or a URI (a string), or "
+                         "None", "e.g. checkpoint_dir='gs://<bucket>/grpo'", error=TypeError)
         if not isinstance(self.engine_kwargs, dict):
             raise V.fail(w, "engine_kwargs", self.engine_kwargs, "a dict of vllm.LLM arguments", error=TypeError)
         owned = sorted(set(self.engine_kwargs) & _ENGINE_ARGS_OWNED)

@@ -325,15 +325,16 @@ class PolicyWorker:
 
     # --- checkpoints
 
-    def save(self, directory: str, step: int) -> None:
-        from ray_train_tpu import checkpoint
+    def save(self, root: str, name: str, step: int) -> None:
+        """A checkpoint of every rank in ``root/name`` (a shared path or a URI: `rl.storage`)."""
+        from ray_train_tpu.rl import storage
 
-        checkpoint.save(directory, model=self.model, optimizer=self.optimizer, step=step)
+        storage.save(root, name, model=self.model, optimizer=self.optimizer, step=step)
 
     def load(self, directory: str) -> int:
-        from ray_train_tpu import checkpoint
+        from ray_train_tpu.rl import storage
 
-        return checkpoint.load(directory, model=self.model, optimizer=self.optimizer).step
+        return storage.load(directory, model=self.model, optimizer=self.optimizer)
 
     def pid(self) -> int:
         import os
