@@ -31,6 +31,7 @@ KL_IN = ("loss", "reward")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 ON_REWARD_ERROR = ("raise", "skip")
+ADVANTAGE_STDS = ("sample", "population", "none")
 
 
 def _check_fraction(where: str, field: str, value: Any, *, fix: str) -> float:
@@ -60,6 +61,9 @@ class AlgorithmConfig:
     """The policy update (formulas: `ray_train_tpu.rl.grpo`).
 
     Args:
+        std: the group's spread that divides the advantages (`grpo.group_advantages`):
+            ``"sample"`` (Bessel-corrected, verl's and TRL's), ``"population"``, or
+            ``"none"`` (only centred, Dr. GRPO).
         ppo_epochs: passes over each rollout batch.
         num_minibatches: optimizer steps per pass; ``ppo_epochs * num_minibatches``
             updates per batch (more than one makes the ratio leave 1 and the clip act).
@@ -87,6 +91,7 @@ class AlgorithmConfig:
             naive path, a memory cliff at a 150k vocabulary).
     """
 
+    std: str = "sample"
     ppo_epochs: int = 1
     num_minibatches: int = 1
     old_logprobs: str = "policy"
@@ -103,6 +108,8 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         w = "AlgorithmConfig"
+        V.check_choice(w, "std", self.std, ADVANTAGE_STDS,
+                       fix="'sample' (verl's and TRL's), 'population', or 'none' (Dr. GRPO: only centred)")
         V.check_int(w, "ppo_epochs", self.ppo_epochs, min=1, max=100, fix="e.g. ppo_epochs=1")
         V.check_int(w, "num_minibatches", self.num_minibatches, min=1, max=4096, fix="e.g. num_minibatches=4")
         V.check_choice(w, "old_logprobs", self.old_logprobs, OLD_LOGPROBS,

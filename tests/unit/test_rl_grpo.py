@@ -535,3 +535,24 @@ def _kl_in_the_reward(rank, world_size, tiny_model):
     want = (kl_penalty(lp, lr, "k3") * batch.loss_mask).sum(dim=1)
     assert moved == pytest.approx(want.tolist(), rel=1e-4, abs=1e-7) and max(moved) > 0
     return True
+
+
+@pytest.mark.parametrize("std", ["sample", "population", "none"])
+def test_the_step_divides_the_advantages_by_the_configured_std(std):
+    import types
+
+    from ray_train_tpu.rl import step as S
+
+    values = [[1.0, 0.0, 0.0], [0.5, 0.5, 2.0]]  # rewards of 2 prompts x 3 samples
+    algorithm = AlgorithmConfig(std=std, num_minibatches=1)
+    loop = types.SimpleNamespace(pad_id=0, trainer=types.SimpleNamespace(world_size=1),
+                                 config=types.SimpleNamespace(algorithm=algorithm))
+    prepared = types.SimpleNamespace(prompt_ids=[[5], [6]])
+    samples = [[{"token_ids": [7], "logprobs": [-0.1]}] * 3] * 2
+    batch, rows = S.build(loop, prepared, samples, [0, 1], values)
+    # by hand: group 1 has mean 1/3; sample std sqrt(1/3), population std sqrt(2/9)
+    spread = {"sample": math.sqrt(1 / 3), "population": math.sqrt(2 / 9), "none": None}[std]
+    first = (1 - 1 / 3) / (spread + 1e-6) if spread else 1 - 1 / 3
+    assert rows == 6 and batch.advantages[0].item() == pytest.approx(first, rel=1e-6)
+    with pytest.raises(ValueError, match=r"AlgorithmConfig\(std='unbiased'\)"):
+        AlgorithmConfig(std="unbiased")
