@@ -206,7 +206,9 @@ class PolicyWorker:
         if self.temperature != 1.0:  # engine log-probs are of the raw logits (vllm-torchtpu): see rl.temperature
             from ray_train_tpu.rl.temperature import engine_logprobs_at_temperature
 
-            local = engine_logprobs_at_temperature(self.model, local, self.temperature, a.micro_batch_size)
+            head = self._heads.get(id(self.model))  # the chunked head, where it stands for the model's logits
+            local = engine_logprobs_at_temperature(self.model, local, self.temperature, a.micro_batch_size,
+                                                   head=head[1] if head else None, chunk_size=a.logprob_chunk)
         single = a.updates_per_batch == 1 and a.old_logprobs == "policy"
         old, ref = self._cache.pop(step, (None, None))
         need_ref = self.reference is not None and a.kl_in == "loss" and ref is None
