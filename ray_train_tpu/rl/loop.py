@@ -19,7 +19,9 @@ do; the engines load step k's weights once it is done. Step k+1 thus trains on
 samples of the weights before step k (one step off-policy), which the ratio to
 the recomputed old log-probs and the truncated importance weight account for.
 
-If a trainer rank dies, the trainer group is replaced, loads the last complete
+Checkpoints go to storage every host sees (`rl.storage`: a shared mount or a
+URI, checked on every trainer and engine host before anything starts). If a
+trainer rank dies, the trainer group is replaced, loads the last complete
 checkpoint, the engines are re-synced from it (and checked), and the steps
 after that checkpoint run again with the same prompts and seeds.
 
@@ -97,9 +99,8 @@ class GRPOLoop:
         import ray
         from transformers import AutoTokenizer
 
-        from ray_train_tpu.rl.data import PromptSource, renderer
-
         from ray_train_tpu.rl import storage
+        from ray_train_tpu.rl.data import PromptSource, renderer
 
         c = self.config
         storage.refuse_driver_local_default(c.checkpoint_dir, sum(1 for n in ray.nodes() if n["Alive"]))
