@@ -46,8 +46,13 @@ def _config(model_dir: str, **kw):
 
     base = dict(model_dir=model_dir, prompts=addition_records(4096, max_operand=2), reward_fn=strict_answer_reward,
                 num_prompts=32, sampling=SamplingConfig(n=8, max_tokens=3), lr=3e-3, seed=0, max_model_len=64,
-                algorithm=AlgorithmConfig(num_minibatches=2))
+                algorithm=AlgorithmConfig(num_minibatches=2),
+                # the simulated hosts' shared storage (a driver-local temporary directory is refused)
+                checkpoint_dir=tempfile.mkdtemp(prefix="ckpt-", dir=_STORAGE["path"]))
     return GRPOConfig(**{**base, **kw})
+
+
+_STORAGE: dict = {}  # "path": the simulated cluster's storage_path
 
 
 def _medians(history: list) -> dict:
@@ -199,7 +204,8 @@ def main() -> int:
     dirs = {name: models.tiny_addition_model(cache, size=name) for name in ["tiny", "bench-100m", *sizes]}
     start = time.perf_counter()
     result = {}
-    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2):
+    with simulated_tpu_cluster("2x2x1", "TPU-V4", num_slices=2) as sim:
+        _STORAGE["path"] = sim.storage_path
         result["phases"] = phases(dirs["tiny"], args.steps)
         print_phases(result["phases"])
         result["sync_vs_size"] = []

@@ -159,6 +159,12 @@ RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES
 # of its chips, in chip-index order, separated by ";" (what libtpu learns from
 # the ICI wiring; `ray_train_tpu.testing.simulated_libtpu` answers from it).
 RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS = "RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS"
+# ... and its own disk: the directory that stands for the host's local filesystem
+# (its TMPDIR is in it). A path under another simulated host's directory is not
+# on this host (`ray_train_tpu.testing.simulated_cluster.host_sees`).
+RAY_TRAIN_TPU_SIMULATE_HOST_ROOT = "RAY_TRAIN_TPU_SIMULATE_HOST_ROOT"
+TMPDIR = "TMPDIR"
+RAY_TMPDIR = "RAY_TMPDIR"
 
 # Seconds a host waits for torch_tpu's chip-coordinate child process (a PJRT
 # start-up: seconds on a TPU host; torch_tpu's own launcher waits up to 300).

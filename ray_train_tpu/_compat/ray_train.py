@@ -465,3 +465,30 @@ def controller_state_log(path: str) -> Any:
                 f.write(json.dumps(record) + "\n")
 
     return ControllerStateLog(path)
+
+
+# Ray Train's storage helpers (``ray.train.v2._internal.execution.storage``): the
+# same resolution of a path or URI (``gs://``, ``s3://``, a mounted path) as
+# ``RunConfig(storage_path=...)``, and its upload/download/list over pyarrow.fs.
+def storage_fs_and_path(storage_path: str, filesystem: Any = None) -> tuple:
+    from ray.train.v2._internal.execution import storage
+
+    return storage.get_fs_and_path(storage_path, filesystem)
+
+
+def storage_upload(local_path: str, fs: Any, fs_path: str) -> None:
+    from ray.train.v2._internal.execution import storage
+
+    storage._upload_to_fs_path(local_path, fs, fs_path)
+
+
+def storage_download(fs: Any, fs_path: str, local_path: str) -> None:
+    from ray.train.v2._internal.execution import storage
+
+    storage._download_from_fs_path(fs, fs_path, local_path)
+
+
+def storage_list(fs: Any, fs_path: str) -> list:
+    from ray.train.v2._internal.execution import storage
+
+    return storage._list_at_fs_path(fs, fs_path)

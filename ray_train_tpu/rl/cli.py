@@ -11,6 +11,7 @@ a reward-curve PNG.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -130,6 +131,22 @@ def plot(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _kept_unless_done(directory: str, keep: bool, out: TextIO):
+    """Remove the run's checkpoint directory when the run ends well, unless asked to keep it."""
+    import shutil
+
+    try:
+        yield
+    except BaseException:
+        out.write(f"{TAG} checkpoints kept in {directory}\n")
+        raise
+    if keep:
+        out.write(f"{TAG} checkpoints kept in {directory}\n")
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out = sys.stdout if out is None else out
     _check(args)
@@ -141,11 +158,17 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
 
     out.write(BANNER + "\n")
     out.flush()
-    config = _config(args)
-    topology, slices = config.topology, 1 if config.one_slice else 2
+    import dataclasses
+    import tempfile
+
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    with running("the RL demo"):
+    # The simulated hosts have disks of their own; --out is on this machine's, which they all see (a shared
+    # mount's stand-in). A fresh directory per run: a kept one of an earlier run is never resumed from.
+    checkpoints = tempfile.mkdtemp(prefix="checkpoints-", dir=outdir)
+    config = dataclasses.replace(_config(args), checkpoint_dir=checkpoints)
+    topology, slices = config.topology, 1 if config.one_slice else 2
+    with running("the RL demo"), _kept_unless_done(checkpoints, args.keep_checkpoints, out):
         start = time.perf_counter()
         with simulated_tpu_cluster(topology, config.accelerator_type, num_slices=slices):
             with GRPOLoop(config) as loop:

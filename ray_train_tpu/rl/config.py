@@ -31,6 +31,7 @@ KL_IN = ("loss", "reward")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 ON_REWARD_ERROR = ("raise", "skip")
+ADVANTAGE_STDS = ("sample", "population", "none")
 
 
 def _check_fraction(where: str, field: str, value: Any, *, fix: str) -> float:
@@ -60,6 +61,9 @@ class AlgorithmConfig:
     """The policy update (formulas: `ray_train_tpu.rl.grpo`).
 
     Args:
+        std: the group's spread that divides the advantages (`grpo.group_advantages`):
+            ``"sample"`` (Bessel-corrected, verl's and TRL's), ``"population"``, or
+            ``"none"`` (only centred, Dr. GRPO).
         ppo_epochs: passes over each rollout batch.
         num_minibatches: optimizer steps per pass; ``ppo_epochs * num_minibatches``
             updates per batch (more than one makes the ratio leave 1 and the clip act).
@@ -87,6 +91,7 @@ class AlgorithmConfig:
             naive path, a memory cliff at a 150k vocabulary).
     """
 
+    std: str = "sample"
     ppo_epochs: int = 1
     num_minibatches: int = 1
     old_logprobs: str = "policy"
@@ -103,6 +108,8 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         w = "AlgorithmConfig"
+        V.check_choice(w, "std", self.std, ADVANTAGE_STDS,
+                       fix="'sample' (verl's and TRL's), 'population', or 'none' (Dr. GRPO: only centred)")
         V.check_int(w, "ppo_epochs", self.ppo_epochs, min=1, max=100, fix="e.g. ppo_epochs=1")
         V.check_int(w, "num_minibatches", self.num_minibatches, min=1, max=4096, fix="e.g. num_minibatches=4")
         V.check_choice(w, "old_logprobs", self.old_logprobs, OLD_LOGPROBS,
@@ -175,8 +182,12 @@ class GRPOConfig:
         overlap: sample step k+1 while step k trains (one step off-policy).
         sync_bucket_mb: weights travel in buckets of about this size, loaded
             while the next ones are still in transit.
-        checkpoint_dir: trainer checkpoints (default: a new temporary directory,
-            removed by `GRPOLoop.shutdown` unless ``keep_checkpoints``).
+        checkpoint_dir: trainer checkpoints, on storage every host sees: a path on
+            a filesystem every host mounts, or a URI (``gs://bucket/run``,
+            ``s3://...``; pyarrow.fs, as Ray Train's ``storage_path``). None: a
+            new temporary directory on the driver, removed by `GRPOLoop.shutdown`
+            unless ``keep_checkpoints`` - only on a one-node cluster (refused on
+            more nodes, whose hosts would not see it; `rl.storage`).
         checkpoint_every: steps between checkpoints.
         check_parity_every: syncs between bitwise parity checks (0: never).
         reward_workers, reward_timeout_s, on_reward_error: the reward tasks; a
@@ -248,6 +259,11 @@ class GRPOConfig:
         V.check_bool(w, "keep_checkpoints", self.keep_checkpoints)
         V.check_number(w, "sync_bucket_mb", self.sync_bucket_mb, max=65536.0, fix="e.g. sync_bucket_mb=64")
         V.check_seconds(w, "reward_timeout_s", self.reward_timeout_s)
+        if isinstance(self.checkpoint_dir, Path):
+            self.checkpoint_dir = str(self.checkpoint_dir)
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise V.fail(w, "checkpoint_dir", self.checkpoint_dir, "a path every host mounts or a URI (a string), or "
+                         "None", "e.g. checkpoint_dir='gs://<bucket>/grpo'", error=TypeError)
         if not isinstance(self.engine_kwargs, dict):
             raise V.fail(w, "engine_kwargs", self.engine_kwargs, "a dict of vllm.LLM arguments", error=TypeError)
         owned = sorted(set(self.engine_kwargs) & _ENGINE_ARGS_OWNED)

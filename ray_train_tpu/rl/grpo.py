@@ -47,8 +47,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ray_train_tpu.rl.config import ADVANTAGE_STDS  # AlgorithmConfig.std's choices
 
-ADVANTAGE_STDS = ("sample", "population", "none")
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi / pi_old) and the k3 log-ratio to [-20, 20] ...
 KL_CLAMP = 10.0  # ... and the k3 estimate to [-10, 10]
 

@@ -19,7 +19,9 @@ do; the engines load step k's weights once it is done. Step k+1 thus trains on
 samples of the weights before step k (one step off-policy), which the ratio to
 the recomputed old log-probs and the truncated importance weight account for.
 
-If a trainer rank dies, the trainer group is replaced, loads the last complete
+Checkpoints go to storage every host sees (`rl.storage`: a shared mount or a
+URI, checked on every trainer and engine host before anything starts). If a
+trainer rank dies, the trainer group is replaced, loads the last complete
 checkpoint, the engines are re-synced from it (and checked), and the steps
 after that checkpoint run again with the same prompts and seeds.
 
@@ -72,7 +74,8 @@ class GRPOLoop:
         self.trainer: Optional[TrainerGroup] = None
         self.pool = None
         self._own_ckpt = config.checkpoint_dir is None
-        self._ckpt_root = Path(config.checkpoint_dir or tempfile.mkdtemp(prefix="ray_train_tpu_grpo_"))
+        # A path (on a filesystem every host mounts) or a URI (gs://, s3://): see rl.storage.
+        self._ckpt_root = config.checkpoint_dir or tempfile.mkdtemp(prefix="ray_train_tpu_grpo_")
         self._resumed_from: Optional[int] = None
         self._pending = None  # overlap: (Prepared, Rollout) of the next step, in flight
         self._failed = False
@@ -96,9 +99,11 @@ class GRPOLoop:
         import ray
         from transformers import AutoTokenizer
 
+        from ray_train_tpu.rl import storage
         from ray_train_tpu.rl.data import PromptSource, renderer
 
         c = self.config
+        storage.refuse_driver_local_default(c.checkpoint_dir, sum(1 for n in ray.nodes() if n["Alive"]))
         self.source = PromptSource(c.prompts, seed=c.seed, prompt_key=c.prompt_key)
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -106,6 +111,8 @@ class GRPOLoop:
         self.max_model_len = c.max_model_len or _model_len(c.model_dir)
         self.reward_ref = ray.put(c.reward_fn)
         trainer_part, rollout_part, layout, plan = self._reserve()
+        storage.check_hosts(c.model_dir, self._ckpt_root, [d.node_id for d in trainer_part.devices],
+                            [d.node_id for d in rollout_part.devices])
         self.trainer = TrainerGroup(trainer_part, dict(
             model_dir=c.model_dir, lr=c.lr, seed=c.seed, algorithm=c.algorithm, max_grad_norm=c.max_grad_norm,
             temperature=c.sampling.temperature))
@@ -152,15 +159,17 @@ class GRPOLoop:
         for s in self.slices:
             s.shutdown()
         self.slices = []
-        if self._own_ckpt and self._ckpt_root.exists():
-            if self._failed or self.config.keep_checkpoints:
+        own = Path(self._ckpt_root) if self._own_ckpt else None
+        if own is not None and own.exists():
+            if (self._failed or self.config.keep_checkpoints) and any(own.iterdir()):
                 logger.warning("GRPO checkpoints kept in %s", self._ckpt_root)
             else:
-                shutil.rmtree(self._ckpt_root, ignore_errors=True)
+                shutil.rmtree(own, ignore_errors=True)
 
     @property
-    def checkpoint_root(self) -> Path:
-        return self._ckpt_root
+    def checkpoint_root(self):
+        """Where the checkpoints go: a `Path`, or the URI (a string) given as ``checkpoint_dir``."""
+        return self._ckpt_root if "://" in self._ckpt_root else Path(self._ckpt_root)
 
     # --- the loop
 
@@ -214,7 +223,7 @@ class GRPOLoop:
         train = self.trainer.call("train", ray.put(batch), step)[0]
         t3 = time.perf_counter()
         if step % c.checkpoint_every == 0:
-            self.trainer.call("save", str(self._ckpt_root / f"step_{step:06d}"), step)
+            self.trainer.call("save", self._ckpt_root, f"step_{step:06d}", step)
         t4 = time.perf_counter()
         self._hook("sync", step)
         sync = self._sync(check=bool(c.check_parity_every) and step % c.check_parity_every == 0)
@@ -276,12 +285,12 @@ class GRPOLoop:
 
     def _resume(self) -> None:
         """Load the newest complete checkpoint into the trainer (if any), then sync the engines."""
-        from ray_train_tpu import checkpoint
+        from ray_train_tpu.rl import storage
 
         self._pending = None  # samples of weights that may be newer than the checkpoint
-        latest = checkpoint.latest_checkpoint(self._ckpt_root)
+        latest = storage.latest(self._ckpt_root)
         if latest is not None:
-            self.step = self.trainer.call("load", str(latest))[0]
+            self.step = self.trainer.call("load", latest)[0]
             self._resumed_from = self.step
             logger.warning("GRPO trainer resumed from %s (step %d)", latest, self.step)
         else:

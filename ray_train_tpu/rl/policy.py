@@ -206,7 +206,9 @@ class PolicyWorker:
         if self.temperature != 1.0:  # engine log-probs are of the raw logits (vllm-torchtpu): see rl.temperature
             from ray_train_tpu.rl.temperature import engine_logprobs_at_temperature
 
-            local = engine_logprobs_at_temperature(self.model, local, self.temperature, a.micro_batch_size)
+            head = self._heads.get(id(self.model))  # the chunked head, where it stands for the model's logits
+            local = engine_logprobs_at_temperature(self.model, local, self.temperature, a.micro_batch_size,
+                                                   head=head[1] if head else None, chunk_size=a.logprob_chunk)
         single = a.updates_per_batch == 1 and a.old_logprobs == "policy"
         old, ref = self._cache.pop(step, (None, None))
         need_ref = self.reference is not None and a.kl_in == "loss" and ref is None
@@ -325,15 +327,16 @@ class PolicyWorker:
 
     # --- checkpoints
 
-    def save(self, directory: str, step: int) -> None:
-        from ray_train_tpu import checkpoint
+    def save(self, root: str, name: str, step: int) -> None:
+        """A checkpoint of every rank in ``root/name`` (a shared path or a URI: `rl.storage`)."""
+        from ray_train_tpu.rl import storage
 
-        checkpoint.save(directory, model=self.model, optimizer=self.optimizer, step=step)
+        storage.save(root, name, model=self.model, optimizer=self.optimizer, step=step)
 
     def load(self, directory: str) -> int:
-        from ray_train_tpu import checkpoint
+        from ray_train_tpu.rl import storage
 
-        return checkpoint.load(directory, model=self.model, optimizer=self.optimizer).step
+        return storage.load(directory, model=self.model, optimizer=self.optimizer)
 
     def pid(self) -> int:
         import os

@@ -90,7 +90,7 @@ def build(loop, prepared: Prepared, samples: list, kept: list, values: list):
 
     from ray_train_tpu.rl.grpo import build_batch, group_advantages
 
-    adv = group_advantages(torch.tensor(values, dtype=torch.float32))
+    adv = group_advantages(torch.tensor(values, dtype=torch.float32), std=loop.config.algorithm.std)
     rows = [(prepared.prompt_ids[g], s, adv[k, j].item()) for k, g in enumerate(kept) for j, s in enumerate(samples[g])]
     batch = build_batch([r[0] for r in rows], [r[1]["token_ids"] for r in rows], [r[2] for r in rows],
                         loop.pad_id, [r[1]["logprobs"] for r in rows])

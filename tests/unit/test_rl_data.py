@@ -355,6 +355,7 @@ def test_a_run_removes_the_checkpoint_directory_it_made_unless_asked(tmp_path):
         loop = GRPOLoop(GRPOConfig(**base, keep_checkpoints=keep))
         loop._failed = failed
         assert loop.checkpoint_root.is_dir()
+        (loop.checkpoint_root / "step_000005").mkdir()  # a checkpoint written (an empty directory goes anyway)
         loop.shutdown()
         assert loop.checkpoint_root.exists() == kept, (keep, failed)
     mine = tmp_path / "mine"

@@ -8,14 +8,14 @@ import re
 import pytest
 import torch
 
-from ray_train_tpu.rl import config, data, grpo, rewards, tasks, weights
+from ray_train_tpu.rl import config, data, grpo, rewards, tasks, temperature, weights
 from ray_train_tpu.rl.config import AlgorithmConfig
 from ray_train_tpu.testing import gloo
 from ray_train_tpu.rl.grpo import (aggregate, build_batch, group_advantages, importance_weights, kl_penalty,
                                    minibatches, policy_loss, token_logprobs)
 
 
-@pytest.mark.parametrize("module", [grpo, config, data, tasks, weights, rewards])
+@pytest.mark.parametrize("module", [grpo, config, data, tasks, weights, rewards, temperature])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 
@@ -413,7 +413,8 @@ def _plain_loop(tiny_model, a, batch, device, *, dtype, micro, normalise_per_chu
 
     every = list(range(batch.num_rows))
     # engine log-probs are of the raw logits (vllm-torchtpu): the sampler's at T = 0.7 (rl.temperature)
-    batch = engine_logprobs_at_temperature(model, batch, 0.7, a.micro_batch_size)
+    batch = engine_logprobs_at_temperature(model, batch, 0.7, a.micro_batch_size,
+                                           head=model.lm_head if a.logprob_chunk else None, chunk_size=a.logprob_chunk)
     with torch.no_grad():
         old_all = None
         if a.old_logprobs == "engine":
@@ -535,3 +536,68 @@ def _kl_in_the_reward(rank, world_size, tiny_model):
     want = (kl_penalty(lp, lr, "k3") * batch.loss_mask).sum(dim=1)
     assert moved == pytest.approx(want.tolist(), rel=1e-4, abs=1e-7) and max(moved) > 0
     return True
+
+
+@pytest.mark.parametrize("std", ["sample", "population", "none"])
+def test_the_step_divides_the_advantages_by_the_configured_std(std):
+    import types
+
+    from ray_train_tpu.rl import step as S
+
+    values = [[1.0, 0.0, 0.0], [0.5, 0.5, 2.0]]  # rewards of 2 prompts x 3 samples
+    algorithm = AlgorithmConfig(std=std, num_minibatches=1)
+    loop = types.SimpleNamespace(pad_id=0, trainer=types.SimpleNamespace(world_size=1),
+                                 config=types.SimpleNamespace(algorithm=algorithm))
+    prepared = types.SimpleNamespace(prompt_ids=[[5], [6]])
+    samples = [[{"token_ids": [7], "logprobs": [-0.1]}] * 3] * 2
+    batch, rows = S.build(loop, prepared, samples, [0, 1], values)
+    # by hand: group 1 has mean 1/3; sample std sqrt(1/3), population std sqrt(2/9)
+    spread = {"sample": math.sqrt(1 / 3), "population": math.sqrt(2 / 9), "none": None}[std]
+    first = (1 - 1 / 3) / (spread + 1e-6) if spread else 1 - 1 / 3
+    assert rows == 6 and batch.advantages[0].item() == pytest.approx(first, rel=1e-6)
+    with pytest.raises(ValueError, match=r"AlgorithmConfig\(std='unbiased'\)"):
+        AlgorithmConfig(std="unbiased")
+
+
+def test_the_temperature_correction_inside_the_lm_head_makes_no_full_logits_and_equals_the_naive_one():
+    """rl.temperature with the model's LM head: the same corrected log-probs as from
+    the model's whole logits, and no [B, T, V] tensor is made (the output of every
+    torch function is recorded): at most a [chunk, V] one."""
+    import types
+
+    from torch.overrides import TorchFunctionMode
+
+    from ray_train_tpu.rl.temperature import engine_logprobs_at_temperature
+
+    torch.manual_seed(4)
+    vocab, hidden, t = 97, 8, 0.7
+    embed, head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab)
+
+    def model(input_ids, attention_mask):
+        return types.SimpleNamespace(logits=head(torch.tanh(embed(input_ids) * 4)))  # the head's output: the logits
+
+    prompts, completions = [[3, 4, 5, 6], [6, 7], [8]], [[9, 10, 1], [11, 12, 13, 2, 5], [14, 15]]
+    ids = build_batch(prompts, completions, [0.0] * 3, pad_id=0).input_ids
+    with torch.no_grad():
+        raw = token_logprobs(model(ids, None).logits, ids, 1.0)
+    batch = build_batch(prompts, completions, [0.0] * 3, pad_id=0,
+                        completion_logprobs=[raw[i, len(p):len(p) + len(c)].tolist()
+                                             for i, (p, c) in enumerate(zip(prompts, completions))])
+    shapes = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.extend(o.shape for o in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(o, torch.Tensor))
+            return out
+
+    with Record():
+        chunked = engine_logprobs_at_temperature(model, batch, t, head=head, chunk_size=4)
+    naive = engine_logprobs_at_temperature(model, batch, t)
+    rows, width = batch.input_ids.shape
+    assert rows * width > 4 and (4, vocab) in shapes  # in chunks of 4 tokens' logits ...
+    assert not [s for s in shapes if s.numel() > max(4 * vocab, head.weight.numel())]  # ... and nothing larger
+    bound = 16 * torch.finfo(torch.float32).eps * (raw.abs().max().item() / t + 8.0)
+    torch.testing.assert_close(chunked.engine_logprobs, naive.engine_logprobs, rtol=0, atol=bound)
+    assert not hasattr(head, "__dict__") or "forward" not in head.__dict__  # the head's own forward again
