@@ -159,6 +159,10 @@ RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES = "RAY_TRAIN_TPU_SIMULATE_MISSING_MODULES
 # of its chips, in chip-index order, separated by ";" (what libtpu learns from
 # the ICI wiring; `ray_train_tpu.testing.simulated_libtpu` answers from it).
 RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS = "RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS"
+# ... and, on a simulated TPU VM (no GKE variables), what its GCE metadata server
+# answers (JSON: {"instance-id": ..., "agent-worker-number": ..., ...}), which Ray
+# reads to name the host (`_compat.ray_tpu.install_simulated_metadata`).
+RAY_TRAIN_TPU_SIMULATE_GCE_METADATA = "RAY_TRAIN_TPU_SIMULATE_GCE_METADATA"
 
 # Seconds a host waits for torch_tpu's chip-coordinate child process (a PJRT
 # start-up: seconds on a TPU host; torch_tpu's own launcher waits up to 300).
