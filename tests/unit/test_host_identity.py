@@ -201,3 +201,13 @@ def test_doctor_is_healthy_on_tpu_vms_that_carry_no_gke_variable():
     report = diagnose(nodes, probes)
     assert report["healthy"], report["problems"]
     assert report["slices"][0]["name"] == "vm-a" and report["slices"][0]["worker_ids"] == [0, 1]
+
+
+def test_a_one_chip_engine_on_a_tpu_vm_finds_its_slice_from_rays_labels(worker, monkeypatch):
+    """The serve/RL engine check reads the host's place the same way (before: TPU_NAME only)."""
+    from ray_train_tpu.serve.worker_check import check_chip_engine
+
+    worker(LABELS)  # no GKE variable; Ray's labels and one chip (TPU id 1) for this actor
+    assert check_chip_engine(slice_name="vm-a") == 1
+    with pytest.raises(RuntimeError, match="meant for slice 'other' runs on slice 'vm-a' \\(TPU worker 1\\)"):
+        check_chip_engine(slice_name="other")
