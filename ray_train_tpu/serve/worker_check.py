@@ -42,6 +42,8 @@ def _host_env() -> dict:
     import ray
 
     env = _environ.copy()
+    if (env.get(C.TPU_NAME) and env.get(C.TPU_WORKER_ID)) or not ray.is_initialized():
+        return env  # GKE's variables, or no Ray worker to ask
     identity = host_identity(env, dict(ray.get_runtime_context().get_node_labels() or {}))
     for key, value in ((C.TPU_NAME, identity.slice_name), (C.TPU_WORKER_ID, identity.worker_id)):
         if not env.get(key) and value is not None:

@@ -208,6 +208,7 @@ def test_a_one_chip_engine_on_a_tpu_vm_finds_its_slice_from_rays_labels(worker, 
     from ray_train_tpu.serve.worker_check import check_chip_engine
 
     worker(LABELS)  # no GKE variable; Ray's labels and one chip (TPU id 1) for this actor
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # inside a Ray worker
     assert check_chip_engine(slice_name="vm-a") == 1
     with pytest.raises(RuntimeError, match="meant for slice 'other' runs on slice 'vm-a' \\(TPU worker 1\\)"):
         check_chip_engine(slice_name="other")
