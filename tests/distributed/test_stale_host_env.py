@@ -184,7 +184,7 @@ def test_a_job_reserves_the_intact_slice_not_a_broken_ones_head(sim, tmp_path):
     from ray_train_tpu._compat import ray_tpu as compat_ray_tpu
 
     compat_ray_tpu.install_slice_reservation()  # here, as the backend does in Ray Train's controller
-    for _ in range(4):  # Ray alone picks either free head
+    for _ in range(6):  # Ray alone took the broken head in 3 of 6 (docs/elastic.md)
         spg = SlicePlacementGroup(topology=TOPOLOGY, accelerator_version="v4", head_reservation_timeout_s=20)
         try:
             ray.get(spg.placement_group.ready(), timeout=20)
