@@ -62,10 +62,11 @@ class WorkerReport:
 
     node_ip: str
     node_id: str
-    slice_name: Optional[str]  # TPU_NAME of the host
-    tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host (None if unset or not an integer)
-    accelerator_type: Optional[str]  # TPU_ACCELERATOR_TYPE of the host (a pod type, e.g. "v4-16")
-    topology: Optional[str]  # TPU_TOPOLOGY of the host
+    # the host's place (`host_identity`: GKE's variable, else Ray's node label)
+    slice_name: Optional[str]  # TPU_NAME / ray.io/tpu-slice-name
+    tpu_worker_id: Optional[int]  # TPU_WORKER_ID / ray.io/tpu-worker-id (None if unset or not an integer)
+    accelerator_type: Optional[str]  # TPU_ACCELERATOR_TYPE / ray.io/tpu-pod-type (a pod type, e.g. "v4-16")
+    topology: Optional[str]  # TPU_TOPOLOGY / ray.io/tpu-topology
     tpu_ids: tuple[int, ...] = ()  # Ray's TPU accelerator ids of this worker
     gpu_ids: tuple[int, ...] = ()
     mode: Mode = Mode.TPU
