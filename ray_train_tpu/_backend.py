@@ -38,6 +38,7 @@ from ray.train.torch import TorchConfig
 from ray_train_tpu import _worker_fns
 from ray_train_tpu import constants as C
 from ray_train_tpu.checkpoint.preemption import install_handler as install_preemption_handler
+from ray_train_tpu._compat import ray_tpu as compat_ray_tpu
 from ray_train_tpu._compat import ray_train as compat_ray
 from ray_train_tpu.discovery import Layout, Mode, WorkerReport, job_mode, layout, order_slice_hosts
 from ray_train_tpu.hang import CollectiveHangError, CollectiveWatch, HangDetector
@@ -59,8 +60,10 @@ def _host_positions(slice_name, claims) -> dict:
 
 
 # The controller imports this module when it unpickles a TPUTorchConfig, before
-# it ranks the workers: that is where Ray's TPU worker order must be fixed.
+# it ranks the workers: that is where Ray's TPU worker order must be fixed, and
+# where Ray Train reserves its slices (only intact ones: docs/elastic.md).
 compat_ray.install_tpu_worker_order(identify=_worker_fns.host_identity, host_positions=_host_positions)
+compat_ray_tpu.install_slice_reservation()
 
 
 class _TPUTorchBackend(compat_ray.RayTorchBackend):

@@ -20,7 +20,8 @@ from typing import Optional, Union
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
 from ray_train_tpu._host import free_port  # noqa: F401  (run in a worker: a port free on its host)
-from ray_train_tpu.discovery import Mode, WorkerReport
+from ray_train_tpu.discovery import HostIdentity, Mode, WorkerReport
+from ray_train_tpu.discovery import host_identity as resolve_host_identity
 from ray_train_tpu.launch_env import ENV_KEYS, MEGASCALE_KEYS
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,14 @@ def report() -> WorkerReport:
     ctx = ray.get_runtime_context()
     ids = ctx.get_accelerator_ids()
     node_ip = ray.util.get_node_ip_address()
+    identity = this_host()
     return WorkerReport(
         node_ip=node_ip,
         node_id=ctx.get_node_id(),
-        slice_name=_environ.get(C.TPU_NAME),
-        tpu_worker_id=_tpu_worker_id(node_ip),
-        accelerator_type=_environ.get(C.TPU_ACCELERATOR_TYPE),
-        topology=_environ.get(C.TPU_TOPOLOGY),
+        slice_name=identity.slice_name,
+        tpu_worker_id=_tpu_worker_id(node_ip, identity),
+        accelerator_type=identity.pod_type,
+        topology=identity.topology,
         tpu_ids=tuple(int(t) for t in ids.get("TPU", [])),
         gpu_ids=tuple(int(g) for g in ids.get("GPU", [])),
         mode=Mode.SIMULATE if _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1" else Mode.TPU,
@@ -127,11 +129,33 @@ def _write_record(path: Path, record: dict) -> None:
         logger.warning("ray_train_tpu: could not keep this host's chip coordinates in %s: %s", path, e)
 
 
+_WARNED: set = set()  # conflicts this process has logged
+
+
+def this_host() -> HostIdentity:
+    """This worker's host: slice name, TPU worker id, topology and pod type,
+    from GKE's variables where set, else from Ray's node labels (on a TPU VM
+    started with ``ray start``, Ray reads them from the GCE metadata server).
+    Where both are set and disagree, the variable wins and a warning names
+    both, once per process (`discovery.host_identity`; docs/environment.md)."""
+    import ray
+
+    labels = dict(ray.get_runtime_context().get_node_labels() or {})
+    identity = resolve_host_identity(_environ.copy(), labels)
+    for conflict in identity.conflicts:
+        if conflict not in _WARNED:
+            _WARNED.add(conflict)
+            logger.warning("ray_train_tpu: host %s: %s (docs/environment.md; `ray-train-tpu doctor` "
+                           "reports it as env_label_mismatch)", ray.util.get_node_ip_address(), conflict)
+    return identity
+
+
 def _host_topology():
-    """The host's slice from GKE's TPU_TOPOLOGY and TPU_ACCELERATOR_TYPE; None if unknown."""
+    """The host's slice from its topology and pod type (`this_host`); None if unknown."""
     from ray_train_tpu.topology import Topology, generation_of_pod_type
 
-    name, pod_type = _environ.get(C.TPU_TOPOLOGY), _environ.get(C.TPU_ACCELERATOR_TYPE)
+    identity = this_host()
+    name, pod_type = identity.topology, identity.pod_type
     try:
         return Topology.parse(name, generation_of_pod_type(pod_type)) if name and pod_type else None
     except ValueError:
@@ -140,20 +164,23 @@ def _host_topology():
 
 def host_identity() -> tuple[Optional[str], Optional[str], Optional[tuple[int, int, int]]]:
     """Runs on a worker for Ray Train's worker sort (`_compat.ray_train.sort_tpu_workers`):
-    its host's TPU_NAME, TPU_WORKER_ID (as set, unparsed) and, from the one
-    worker per host that asks, the host's chip coordinates (`host_chip_coords`)."""
-    return _environ.get(C.TPU_NAME), _environ.get(C.TPU_WORKER_ID), host_chip_coords()
+    its host's slice name, TPU worker id (unparsed; `this_host`: TPU_NAME and
+    TPU_WORKER_ID, else Ray's node labels) and, from the one worker per host
+    that asks, the host's chip coordinates (`host_chip_coords`)."""
+    identity = this_host()
+    return identity.slice_name, identity.worker_id, host_chip_coords()
 
 
-def _tpu_worker_id(node_ip: str):
-    raw = _environ.get(C.TPU_WORKER_ID)
+def _tpu_worker_id(node_ip: str, identity: HostIdentity):
+    raw = identity.worker_id
     if raw is None:
         return None
     try:
         return int(raw)
     except ValueError:
+        source = identity.sources.get("worker_id", C.TPU_WORKER_ID)
         raise ValueError(
-            f"{C.TPU_WORKER_ID}={raw!r} on host {node_ip} is not an integer; set it to the "
+            f"{source}={raw!r} on host {node_ip} is not an integer; set it to the "
             "host's index in its slice (0..hosts-1), as GKE's TPU webhook does"
         ) from None
 

@@ -165,6 +165,10 @@ RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS = "RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS"
 RAY_TRAIN_TPU_SIMULATE_HOST_ROOT = "RAY_TRAIN_TPU_SIMULATE_HOST_ROOT"
 TMPDIR = "TMPDIR"
 RAY_TMPDIR = "RAY_TMPDIR"
+# ... and, on a simulated TPU VM (no GKE variables), what its GCE metadata server
+# answers (JSON: {"instance-id": ..., "agent-worker-number": ..., ...}), which Ray
+# reads to name the host (`_compat.ray_tpu.install_simulated_metadata`).
+RAY_TRAIN_TPU_SIMULATE_GCE_METADATA = "RAY_TRAIN_TPU_SIMULATE_GCE_METADATA"
 
 # Seconds a host waits for torch_tpu's chip-coordinate child process (a PJRT
 # start-up: seconds on a TPU host; torch_tpu's own launcher waits up to 300).

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from ray_train_tpu import constants as C
 from ray_train_tpu.launch_env import rank_of
-from ray_train_tpu.topology import Coords, Topology
+from ray_train_tpu.topology import Coords, Topology, normalize_pod_type
 
 # Chips per host along (X, Y, Z) of every multi-host slice: torch_tpu's
 # ``_CHIPS_PER_HOST`` (torch_tpu/_internal/distributed/distributed.py).
@@ -62,10 +62,11 @@ class WorkerReport:
 
     node_ip: str
     node_id: str
-    slice_name: Optional[str]  # TPU_NAME of the host
-    tpu_worker_id: Optional[int]  # TPU_WORKER_ID of the host (None if unset or not an integer)
-    accelerator_type: Optional[str]  # TPU_ACCELERATOR_TYPE of the host (a pod type, e.g. "v4-16")
-    topology: Optional[str]  # TPU_TOPOLOGY of the host
+    # the host's place (`host_identity`: GKE's variable, else Ray's node label)
+    slice_name: Optional[str]  # TPU_NAME / ray.io/tpu-slice-name
+    tpu_worker_id: Optional[int]  # TPU_WORKER_ID / ray.io/tpu-worker-id (None if unset or not an integer)
+    accelerator_type: Optional[str]  # TPU_ACCELERATOR_TYPE / ray.io/tpu-pod-type (a pod type, e.g. "v4-16")
+    topology: Optional[str]  # TPU_TOPOLOGY / ray.io/tpu-topology
     tpu_ids: tuple[int, ...] = ()  # Ray's TPU accelerator ids of this worker
     gpu_ids: tuple[int, ...] = ()
     mode: Mode = Mode.TPU
@@ -90,6 +91,62 @@ class WorkerReport:
         out["tpu_ids"], out["gpu_ids"] = list(self.tpu_ids), list(self.gpu_ids)
         out["chip_coords"] = None if self.chip_coords is None else list(self.chip_coords)
         return out
+
+
+# Each fact of a host's place: (GKE's variable, Ray's node label, how to compare values).
+_IDENTITY_SOURCES = (
+    ("slice_name", C.TPU_NAME, C.LABEL_TPU_SLICE_NAME, str.strip),
+    ("worker_id", C.TPU_WORKER_ID, C.LABEL_TPU_WORKER_ID, str.strip),
+    ("topology", C.TPU_TOPOLOGY, C.LABEL_TPU_TOPOLOGY, lambda v: v.strip().lower()),
+    ("pod_type", C.TPU_ACCELERATOR_TYPE, C.LABEL_TPU_POD_TYPE, normalize_pod_type),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostIdentity:
+    """Where a host sits: its slice name, TPU worker id (unparsed), topology and
+    pod type, each from GKE's variable where set, else from Ray's node label.
+
+    `sources` names where each fact came from; `conflicts` describes each fact
+    whose variable and label are both set and disagree (the variable won).
+    """
+
+    slice_name: Optional[str] = None
+    worker_id: Optional[str] = None
+    topology: Optional[str] = None
+    pod_type: Optional[str] = None
+    sources: dict = dataclasses.field(default_factory=dict)
+    conflicts: tuple[str, ...] = ()
+
+
+def host_identity(env: "dict[str, str]", labels: "dict[str, str]") -> HostIdentity:
+    """A host's identity from its variables (`env`) and Ray's labels of its node.
+
+    Per fact, the variable wins and the label fills in, the order in which Ray
+    itself resolves each fact (``TPUAcceleratorManager``: GKE's variable, else
+    the GCE metadata server, from which Ray makes the label on a TPU VM started
+    with ``ray start``). The variable is also what libtpu and torch_tpu read in
+    the worker. A disagreement means a label set by hand (``ray start
+    --labels``) or a raylet started with other variables; it is reported in
+    `conflicts` (docs/environment.md).
+
+    Example:
+        >>> i = host_identity({}, {"ray.io/tpu-slice-name": "vm-1", "ray.io/tpu-worker-id": "1",
+        ...                        "ray.io/tpu-topology": "2x2x2", "ray.io/tpu-pod-type": "v4-16"})
+        >>> i.slice_name, i.worker_id, i.topology, i.pod_type, i.sources["slice_name"]
+        ('vm-1', '1', '2x2x2', 'v4-16', 'ray.io/tpu-slice-name')
+        >>> host_identity({"TPU_NAME": "a"}, {"ray.io/tpu-slice-name": "b"}).conflicts
+        ("TPU_NAME='a' but node label ray.io/tpu-slice-name='b'; TPU_NAME wins",)
+    """
+    values, sources, conflicts = {}, {}, []
+    for field, var, label, canon in _IDENTITY_SOURCES:
+        from_env, from_label = env.get(var) or None, labels.get(label) or None
+        values[field] = from_env if from_env is not None else from_label
+        if values[field] is not None:
+            sources[field] = var if from_env is not None else label
+        if from_env is not None and from_label is not None and canon(from_env) != canon(from_label):
+            conflicts.append(f"{var}={from_env!r} but node label {label}={from_label!r}; {var} wins")
+    return HostIdentity(**values, sources=sources, conflicts=tuple(conflicts))
 
 
 def job_mode(reports: Sequence[WorkerReport]) -> Mode:
@@ -308,8 +365,9 @@ def _check_slice_names(infos: Sequence[WorkerInfo]) -> None:
     for info in infos:
         if info.slice_name is None:
             raise LayoutError(
-                f"{info.where()} does not say which slice it is on: TPU_NAME must be set on "
-                "every TPU host (GKE's TPU webhook and ray_train_tpu.testing.simulated_tpu_cluster set it)"
+                f"{info.where()} does not say which slice it is on: every TPU host needs TPU_NAME "
+                f"(GKE's TPU webhook sets it) or Ray's {C.LABEL_TPU_SLICE_NAME} node label (Ray sets it "
+                "from the GCE metadata server on a TPU VM started with `ray start`)"
             )
 
 
@@ -318,10 +376,10 @@ def _check_worker_ids(infos: Sequence[WorkerInfo]) -> None:
     for info in infos:
         if info.tpu_worker_id is None:
             raise LayoutError(
-                f"{info.where()} does not say which host of its slice it is: TPU_NAME and "
-                "TPU_WORKER_ID must be set on every TPU host (GKE's TPU webhook and "
-                "ray_train_tpu.testing.simulated_tpu_cluster set them), or every host must "
-                "report its chip coordinates"
+                f"{info.where()} does not say which host of its slice it is: every TPU host needs "
+                f"TPU_NAME and TPU_WORKER_ID (GKE's TPU webhook sets them) or Ray's {C.LABEL_TPU_SLICE_NAME} "
+                f"and {C.LABEL_TPU_WORKER_ID} node labels (Ray sets them from the GCE metadata server "
+                "on a TPU VM started with `ray start`), or every host must report its chip coordinates"
             )
     ips = defaultdict(set)
     for info in infos:

@@ -161,24 +161,11 @@ def use_simulated_tpu_device_manager(host: bool = False) -> None:
 
 
 def forbid_metadata_server() -> Callable[[], None]:
-    """Make any GCE metadata query of Ray's TPU code fail loudly; returns an undo."""
-    from ray._private.accelerators import tpu as ray_tpu
+    """Make any GCE metadata query of Ray's TPU code fail loudly; returns an undo
+    (`_compat.ray_tpu.answer_metadata_server`)."""
+    from ray_train_tpu._compat import ray_tpu
 
-    original = ray_tpu._get_tpu_metadata
-
-    def _refuse(key: str):
-        raise RuntimeError(
-            f"Ray tried to query the GCE metadata server for {key!r} in a simulated "
-            "TPU cluster; set TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE and "
-            "TPU_TOPOLOGY on the node instead"
-        )
-
-    ray_tpu._get_tpu_metadata = _refuse
-
-    def undo() -> None:
-        ray_tpu._get_tpu_metadata = original
-
-    return undo
+    return ray_tpu.answer_metadata_server(None)
 
 
 def gcs_actor_table() -> list[dict]:

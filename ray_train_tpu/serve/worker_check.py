@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
+from ray_train_tpu.discovery import host_identity
 from ray_train_tpu.launch_env import JOB_KEYS
 from ray_train_tpu.serve.slice_plan import SlicePlan, slice_worker_env
 
@@ -32,6 +33,22 @@ def _ray_chips() -> list:
     import ray
 
     return list(ray.get_runtime_context().get_accelerator_ids().get("TPU", []))
+
+
+def _host_env() -> dict:
+    """This process's variables, with the host's ``TPU_NAME`` and ``TPU_WORKER_ID``
+    from Ray's node labels where GKE's are absent (a TPU VM started with ``ray
+    start``; the variable wins where both are set: `discovery.host_identity`)."""
+    import ray
+
+    env = _environ.copy()
+    if (env.get(C.TPU_NAME) and env.get(C.TPU_WORKER_ID)) or not ray.is_initialized():
+        return env  # GKE's variables, or no Ray worker to ask
+    identity = host_identity(env, dict(ray.get_runtime_context().get_node_labels() or {}))
+    for key, value in ((C.TPU_NAME, identity.slice_name), (C.TPU_WORKER_ID, identity.worker_id)):
+        if not env.get(key) and value is not None:
+            env[key] = value
+    return env
 
 
 def slice_worker_setup(rank: int, local_rank: int, engine_env: Mapping[str, str],
@@ -48,7 +65,7 @@ def slice_worker_setup(rank: int, local_rank: int, engine_env: Mapping[str, str]
     plan = SlicePlan.from_json(text)
     if simulated is None:
         simulated = _environ.get(C.RAY_TRAIN_TPU_SIMULATE) == "1"
-    env = slice_worker_env(plan, rank, local_rank=local_rank, chips=_ray_chips(), host_env=_environ.copy(),
+    env = slice_worker_env(plan, rank, local_rank=local_rank, chips=_ray_chips(), host_env=_host_env(),
                            engine_env=engine_env, simulated=simulated)
     _environ.unset(env.unset)
     APPLIED.clear()
@@ -72,7 +89,7 @@ def check_chip_engine(*, slice_name: str, host: Optional[str] = None,
         3
     """
     chips = _ray_chips() if chips is None else list(chips)
-    env_given, env = env, (_environ.copy() if env is None else dict(env))
+    env_given, env = env, (_host_env() if env is None else dict(env))
     where = f"slice {env.get(C.TPU_NAME)!r} (TPU worker {env.get(C.TPU_WORKER_ID)})"
     if len(chips) != 1:
         raise RuntimeError(f"a one-chip engine holds TPU ids {chips} on {where}; give its actor {{'TPU': 1}}")

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
 import tempfile
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from ray_train_tpu import _environ
 from ray_train_tpu import _validate as V
@@ -63,6 +64,9 @@ MAX_SIMULATED_HOSTS = 64
 SIMULATION_ENV = C.SIMULATION_ENV
 
 HostKey = tuple[int, int]  # (slice id, TPU worker id)
+
+# Run in every worker of a cluster of TPU VMs: Ray's metadata queries answered per host.
+_METADATA_HOOK = "ray_train_tpu._compat.ray_tpu.install_simulated_metadata"
 
 
 def host_ip(slice_id: int, worker_id: int) -> str:
@@ -103,7 +107,12 @@ class SimulatedTPUCluster:
     def host_env(self, key: HostKey) -> dict[str, str]:
         """The variables host `key` was started with (its raylet's, so its workers'),
         fault-injection overrides included; the defaults if it never started."""
-        return dict(self._envs.get(tuple(key)) or _host_env(self.topology, *key))
+        default = _tpu_vm_env if self.is_tpu_vm(*key) else _host_env
+        return dict(self._envs.get(tuple(key)) or default(self.topology, *key))
+
+    def is_tpu_vm(self, slice_id: int, worker_id: int) -> bool:
+        """Whether the host is a TPU VM started with ``ray start`` (no GKE variables)."""
+        return self.tpu_vm is True or (slice_id, worker_id) in (self.tpu_vm or ())
 
     def remove_host(self, slice_id: int, worker_id: int) -> None:
         """Take a host away, as a preempted or failed TPU VM (for fault tests).
@@ -218,12 +227,13 @@ class SimulatedTPUCluster:
             extra[C.RAY_TRAIN_TPU_SIMULATE_STALL_S] = str(stall_s)
         self._nodes[key], self._envs[key] = _add_host(
             self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
-            env=env, labels=labels, resources=resources,
+            env=env, labels=labels, resources=resources, tpu_vm=self.is_tpu_vm(slice_id, worker_id),
         )
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
     _envs: dict = dataclasses.field(default_factory=dict, repr=False)
+    tpu_vm: object = False  # True or the hosts that are TPU VMs started with `ray start` (`simulated_tpu_cluster`)
     _disk: str = ""  # the cluster's disks: hosts/<ip>/ (one per host, and the head's), shared/
     _ray_tmp: str = ""  # Ray's own temporary directory (sessions, sockets), the same for every host
 
@@ -281,6 +291,35 @@ def _host_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, st
     if topology.devices_per_chip > 1:
         env[C.RAY_TPU_RESOURCE_PER_CHIP] = str(topology.devices_per_chip)
     return env
+
+
+def _tpu_vm_env(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
+    """What a TPU VM started with ``ray start`` carries: none of GKE's variables;
+    the simulated hardware (`chip_layout`) and its GCE metadata server's answers
+    (`gce_metadata`), from which Ray names the node."""
+    env = {
+        C.RAY_TRAIN_TPU_SIMULATE_GCE_METADATA: json.dumps(gce_metadata(topology, slice_id, worker_id)),
+        C.RAY_TRAIN_TPU_SIMULATE_CHIP_COORDS: format_chip_layout(chip_layout(topology, worker_id)),
+    }
+    if topology.devices_per_chip > 1:
+        env[C.RAY_TPU_RESOURCE_PER_CHIP] = str(topology.devices_per_chip)
+    return env
+
+
+def gce_metadata(topology: Topology, slice_id: int, worker_id: int) -> dict[str, str]:
+    """The instance attributes a TPU VM's GCE metadata server gives the keys Ray 2.60
+    asks for (``ray._private.accelerators.tpu``: ``instance-id``,
+    ``agent-worker-number``, ``accelerator-type``, ``tpu-env``).
+
+    Example:
+        >>> md = gce_metadata(Topology.parse("2x2x2", "TPU-V4"), 1, 0)
+        >>> md["instance-id"], md["agent-worker-number"], md["accelerator-type"]
+        ('sim-slice-1', '0', 'v4-16')
+    """
+    pod_type = gke_device_plugin_env(topology)[C.TPU_ACCELERATOR_TYPE]
+    tpu_env = f"ACCELERATOR_TYPE: '{pod_type}'\nTOPOLOGY: '{topology.name}'\nWORKER_ID: '{worker_id}'\n"
+    return {"instance-id": slice_name(slice_id), "agent-worker-number": str(worker_id),
+            "accelerator-type": pod_type, "tpu-env": tpu_env}
 
 
 def gke_device_plugin_env(topology: Topology) -> dict[str, str]:
@@ -343,11 +382,15 @@ def _overlay(base: Mapping, overrides: Optional[Mapping]) -> dict:
 
 
 def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: int, extra_env=None,
-              *, env=None, labels=None, resources=None):
+              *, env=None, labels=None, resources=None, tpu_vm=False):
     """Start one host's raylet. `extra_env` goes to the raylet only; `env`,
-    `labels` and `resources` override the host's usual ones (see `add_host`)."""
+    `labels` and `resources` override the host's usual ones (see `add_host`).
+    A TPU VM (`tpu_vm`) gets no TPU labels, slice or head resources from us:
+    Ray derives them from its (simulated) GCE metadata, as on a real one."""
+    from ray_train_tpu._compat import ray_tpu as compat_ray_tpu
+
     removed = [k for k, v in (env or {}).items() if v is None]
-    env = _overlay(_host_env(topology, slice_id, worker_id), env)
+    env = _overlay((_tpu_vm_env if tpu_vm else _host_env)(topology, slice_id, worker_id), env)
     # A raylet inherits this process's environment; a host's TPU variables are
     # the host's own, never what the driver picked up (importing libtpu, as
     # torch_tpu does, sets TPU_LIBRARY_PATH here). Our own RAY_TRAIN_TPU_* knobs pass.
@@ -362,7 +405,9 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     }
     if worker_id == 0:
         node_resources[f"TPU-{topology.pod_type}-head"] = 1
-    node_labels = {
+    if tpu_vm:
+        node_resources = {k: v for k, v in node_resources.items() if k == "TPU" or k.startswith("accelerator_type:")}
+    node_labels = {} if tpu_vm else {
         C.LABEL_TPU_SLICE_NAME: name,
         C.LABEL_TPU_WORKER_ID: str(worker_id),
         C.LABEL_TPU_POD_TYPE: topology.pod_type,
@@ -375,6 +420,8 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
     _environ.update(env)
     _environ.unset(removed)
     env_vars = {**SIMULATION_ENV, **env, **(extra_env or {})}
+    metadata = env.get(C.RAY_TRAIN_TPU_SIMULATE_GCE_METADATA)
+    undo_metadata = compat_ray_tpu.answer_metadata_server(json.loads(metadata)) if metadata else (lambda: None)
     try:
         node = cluster.add_node(
             node_ip_address=host_ip(slice_id, worker_id),
@@ -386,6 +433,7 @@ def _add_host(cluster, topology: Topology, slice_id: int, worker_id: int, cpus: 
         )
         return node, env_vars
     finally:
+        undo_metadata()
         _environ.unset(k for k in env if k not in saved)
         _environ.update(saved)
 
@@ -434,6 +482,7 @@ def simulated_tpu_cluster(
     cpus_per_host: Optional[int] = None,
     connect: bool = True,
     system_config: Optional[Mapping[str, object]] = None,
+    tpu_vm: Union[bool, Sequence[HostKey]] = False,
 ) -> Iterator[SimulatedTPUCluster]:
     """Start a simulated TPU cluster, connect to it, and tear it all down on exit.
 
@@ -461,6 +510,13 @@ def simulated_tpu_cluster(
         system_config: Ray's ``_system_config`` for the head (GCS), e.g.
             ``{"health_check_period_ms": 1000, "health_check_failure_threshold": 3}``
             for a cluster that notices a killed host in ~3 s instead of ~15 s.
+        tpu_vm: True, or the ``(slice id, worker id)`` of some hosts: hosts that
+            are TPU VMs started with ``ray start`` rather than GKE pods: no ``TPU_NAME``, ``TPU_WORKER_ID``, ``TPU_ACCELERATOR_TYPE``,
+            ``TPU_TOPOLOGY`` or other GKE variables; Ray names each node (its
+            ``ray.io/tpu-*`` labels, slice and head resources) from a simulated
+            GCE metadata server (`gce_metadata`), which also answers Ray's
+            queries in the job's workers (a worker setup hook in the driver's
+            ``ray.init``, so with ``connect=True`` only).
 
     `add_host`, `add_slice` and the other fault injections start raylets: call
     them from the main thread (Ray's node sets a SIGTERM handler); run ``fit()``
@@ -483,6 +539,10 @@ def simulated_tpu_cluster(
     for key in host_env:
         if key not in keys:
             raise ValueError(f"host_env key {key!r} is not a (slice id, worker id) of a started host")
+    for key in () if isinstance(tpu_vm, bool) else tpu_vm:
+        if tuple(key) not in keys:
+            raise ValueError(f"tpu_vm entry {key!r} is not a (slice id, worker id) of a started host; "
+                             "pass True for every host, or keys such as (0, 1)")
     for key, coords in (host_coords or {}).items():
         host_env[tuple(key)] = {**host_env.get(tuple(key), {}), **_coords_env(topo, key, coords, keys)}
     cpus = cpus_per_host if cpus_per_host is not None else topo.devices_per_host + 1
@@ -526,6 +586,7 @@ def simulated_tpu_cluster(
             topology=topo, num_slices=num_slices, address=cluster.address, hosts={}, cluster=cluster
         )
         sim._cpus, sim._disk, sim._ray_tmp = cpus, disk, ray_tmp
+        sim.tpu_vm = True if tpu_vm is True else frozenset(tuple(k) for k in (tpu_vm or ()))
         stalled = {tuple(k) for k in stalled_hosts}
         for slice_id, worker_id in keys:
             sim.add_host(
@@ -541,7 +602,8 @@ def simulated_tpu_cluster(
                 # RAY_ADDRESS: Ray Train's own helpers (PlacementGroupCleaner)
                 # call ray.init() without an address and would otherwise join
                 # whichever cluster on this machine started last.
-                runtime_env={"env_vars": {**driver_env, C.RAY_ADDRESS: cluster.address}},
+                runtime_env={"env_vars": {**driver_env, C.RAY_ADDRESS: cluster.address},
+                             **({"worker_process_setup_hook": _METADATA_HOOK} if tpu_vm else {})},
                 logging_level=logging.WARNING,
                 log_to_driver=True,
             )

@@ -60,7 +60,7 @@ def test_hosts_with_different_chip_counts_are_refused():
 
 def test_missing_worker_id_and_duplicate_ids_are_named():
     t = Topology.parse("2x2x2", "TPU-V4")
-    with pytest.raises(LayoutError, match="TPU_NAME and TPU_WORKER_ID must be set"):
+    with pytest.raises(LayoutError, match="needs TPU_NAME and TPU_WORKER_ID .* or Ray.s ray.io/tpu-slice-name and ray.io/tpu-worker-id node labels"):
         layout(_infos(t, overrides={0: dict(tpu_worker_id=None)}), t, 1)
     dup = {i: dict(tpu_worker_id=0) for i in range(4, 8)}
     with pytest.raises(LayoutError, match="TPU_WORKER_ID=0 of slice slice-0 is claimed by several hosts"):

@@ -17,6 +17,8 @@ MODULES = [
     "ray_train_tpu.scaling",
     "ray_train_tpu.launch_env",
     "ray_train_tpu.discovery",
+    "ray_train_tpu._compat.ray_tpu",
+    "ray_train_tpu.testing.simulated_cluster",
     "ray_train_tpu.mesh",
     "ray_train_tpu.kuberay",
     "ray_train_tpu.cli.plan",

@@ -369,6 +369,9 @@ class _Context:
     def get_node_id(self):
         return self.node_id
 
+    def get_node_labels(self):
+        return {}
+
 
 @pytest.fixture
 def worker(monkeypatch, tmp_path):
