@@ -22,7 +22,8 @@ def _in_child(fn, world_size=1):
 def _single_rank_checks(rank, world):
     return {name: fn(rank, world) for name, fn in (("mixing", _mixing_fails), ("copies", _host_device_copies),
                                                    ("rng", _own_generator), ("pickle", _pickles_to_the_device),
-                                                   ("in_place", _in_place_metadata), ("ties", _tied_weights))}
+                                                   ("in_place", _in_place_metadata), ("ties", _tied_weights),
+                                                   ("load", _loads_onto_the_device))}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +183,42 @@ def _saved(t):
 
 def test_pickling_copies_to_the_host_and_rebuilds_on_the_device(checked):
     assert checked["pickle"] == ["tpu", "tpu", "cpu", True]
+
+
+def _loads_onto_the_device(rank, world):
+    """``torch.load(f, map_location="tpu:0")``, as the HF Trainer resumes optimizer state in a
+    multi-process run (torch's own restore, ``storage.to("tpu:0")``, kills a Python backend's
+    process with SIGSEGV)."""
+    import io
+
+    import ray_train_tpu
+    from ray_train_tpu._compat.simulated_tpu_runtime import NotSimulatedError
+
+    exp_avg = torch.arange(3.0)
+    state = {"state": {0: {"exp_avg": exp_avg, "same": exp_avg}}, "step": torch.tensor(2.0),
+             "device_saved": torch.arange(4.0, device=ray_train_tpu.get_device())}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    seen = []
+    for location in ("tpu:0", torch.device("tpu", 0), "tpu"):
+        buffer.seek(0)
+        loaded = torch.load(buffer, map_location=location, weights_only=True)
+        seen.append([str(loaded["step"].device), str(loaded["state"][0]["exp_avg"].device),
+                     str(loaded["device_saved"].device), loaded["state"][0]["exp_avg"] is loaded["state"][0]["same"],
+                     torch.equal(loaded["state"][0]["exp_avg"].cpu(), exp_avg)])
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location={"cpu": "tpu:0"}, weights_only=True)
+        refused = None
+    except NotSimulatedError as e:
+        refused = str(e)
+    return seen, refused
+
+
+def test_torch_load_with_map_location_tpu_puts_every_tensor_on_the_device(checked):
+    seen, refused = checked["load"]
+    assert seen == [["tpu:0", "tpu:0", "tpu:0", True, True]] * 3
+    assert refused is not None and "map_location='tpu:0'" in refused
 
 
 def _collectives(rank, world):
