@@ -23,7 +23,8 @@ def _single_rank_checks(rank, world):
     return {name: fn(rank, world) for name, fn in (("mixing", _mixing_fails), ("copies", _host_device_copies),
                                                    ("rng", _own_generator), ("pickle", _pickles_to_the_device),
                                                    ("in_place", _in_place_metadata), ("ties", _tied_weights),
-                                                   ("load", _loads_onto_the_device))}
+                                                   ("load", _loads_onto_the_device),
+                                                   ("memory", _accelerator_memory_of_the_chip))}
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +220,45 @@ def test_torch_load_with_map_location_tpu_puts_every_tensor_on_the_device(checke
     seen, refused = checked["load"]
     assert seen == [["tpu:0", "tpu:0", "tpu:0", True, True]] * 3
     assert refused is not None and "map_location='tpu:0'" in refused
+
+
+def _accelerator_memory_of_the_chip(rank, world):
+    """What progress bars and benchmarks read per chip: torch.accelerator's statistics."""
+    import os
+
+    import ray_train_tpu
+    from ray_train_tpu import device as device_mod
+    from ray_train_tpu import topology
+
+    device = ray_train_tpu.get_device()
+    before = device_mod.accelerator_memory()
+    t = torch.empty(4 * 2**20, dtype=torch.float32, device=device)  # 16 MiB
+    during = device_mod.accelerator_memory()
+    del t
+    after = device_mod.accelerator_memory()
+    os.environ["TPU_ACCELERATOR_TYPE"] = "v4-8"
+    device_mod.describe_simulated_chip()
+    gen, _ = topology.parse_pod_type("v4-8")
+    return {"grew": during["allocated_bytes"] - before["allocated_bytes"],
+            "peak_covers": during["peak_bytes"] >= during["allocated_bytes"],
+            "freed": after["allocated_bytes"] == before["allocated_bytes"],
+            "total_before": before.get("total_bytes"),
+            "total": device_mod.accelerator_memory()["total_bytes"],
+            "hbm_per_device": gen.hbm_bytes_per_chip // gen.devices_per_chip}
+
+
+def test_accelerator_memory_reads_torch_accelerator_per_chip(checked):
+    m = checked["memory"]
+    assert m["grew"] == 16 * 2**20 and m["peak_covers"] and m["freed"]
+    assert m["total_before"] is None  # no chip described: torch_tpu's answer for an unknown chip has no size
+    assert m["total"] == m["hbm_per_device"] == 32 * 2**30  # v4: one device (megacore) of 32 GiB per chip
+
+
+def test_accelerator_memory_is_empty_without_an_accelerator():
+    from ray_train_tpu.device import accelerator_memory
+
+    assert torch.accelerator.current_accelerator() is None  # the test process never simulates
+    assert accelerator_memory() == {}
 
 
 def _collectives(rank, world):
