@@ -24,7 +24,8 @@ def _single_rank_checks(rank, world):
                                                    ("rng", _own_generator), ("pickle", _pickles_to_the_device),
                                                    ("in_place", _in_place_metadata), ("ties", _tied_weights),
                                                    ("load", _loads_onto_the_device),
-                                                   ("memory", _accelerator_memory_of_the_chip))}
+                                                   ("memory", _accelerator_memory_of_the_chip),
+                                                   ("adamw", _chip_memory_after_adamw))}
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +260,43 @@ def test_accelerator_memory_is_empty_without_an_accelerator():
 
     assert torch.accelerator.current_accelerator() is None  # the test process never simulates
     assert accelerator_memory() == {}
+
+
+def _strategy_memory():
+    from benchmarks import strategy_memory
+
+    return strategy_memory
+
+
+def _chip_memory_after_adamw(rank, world):
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    before = _strategy_memory().chip_memory()["device_allocated_bytes"]  # what the other checks left alive
+    torch.manual_seed(0)
+    model = _strategy_memory().mlp(32, 64, 1).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32).to(device)).pow(2).mean().backward()
+    opt.step()
+    on_device = sum(t.numel() * t.element_size()
+                    for t in [*model.parameters(), *(p.grad for p in model.parameters()),
+                              *(v for s in opt.state.values() for v in s.values())]
+                    if isinstance(t, torch.Tensor) and t.device.type == "tpu")
+    chip = _strategy_memory().chip_memory()
+    return {"counted": _strategy_memory().state_bytes(model, opt), "on_device": on_device,
+            "allocated": chip["device_allocated_bytes"] - before, "chip": chip}
+
+
+def test_strategy_memory_benchmarks_chip_figures_are_the_allocators_bytes_of_the_training_state(checked):
+    """On the simulated device, torch.accelerator's allocated bytes after an AdamW step are
+    the parameters, gradients and Adam moments the benchmark counts (AdamW's step counters
+    stay on the host, as torch keeps them for a non-capturable optimizer)."""
+    got = checked["adamw"]
+    counted = got["counted"]
+    params = counted["param_bytes"]
+    assert got["allocated"] == got["on_device"] == 4 * params  # param, grad, exp_avg, exp_avg_sq
+    assert counted["grad_bytes"] == params and counted["optimizer_bytes"] > 2 * params
+    assert got["chip"]["device_peak_bytes"] >= got["chip"]["device_allocated_bytes"]
 
 
 def _collectives(rank, world):
