@@ -279,16 +279,20 @@ def _hf_rows(n):
 
 def _hf_loop(config):
     """Ray's own HF recipe (ray/train/v2/tests/test_torch_transformers_train.py, and Ray's
-    "Get started with Hugging Face Transformers" guide), in TPUTorchTrainer: training rows
-    from a Ray Data shard, evaluation rows from a datasets.Dataset, bf16, gradient
-    checkpointing, eval and save every step; rank 1 dies once, and the run resumes from
-    Ray Train's latest checkpoint."""
+    "Get started with Hugging Face Transformers" guide), in TPUTorchTrainer, with
+    ray_train_tpu.huggingface.prepare_trainer in place of Ray's (accelerate has no
+    distributed type for TorchTPU: it averages the gradients): training rows from a Ray
+    Data shard, evaluation rows from a datasets.Dataset, bf16, gradient checkpointing,
+    eval and save every step; rank 1 dies once, and the run resumes from Ray Train's
+    latest checkpoint."""
     import os
 
     import datasets
     from accelerate.state import AcceleratorState
-    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+    from ray.train.huggingface.transformers import RayTrainReportCallback
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ray_train_tpu.huggingface import prepare_trainer
 
     rank = ray.train.get_context().get_world_rank()
     out = Path(config["out"])
@@ -315,6 +319,11 @@ def _hf_loop(config):
                 committed = ray.train.get_all_reported_checkpoints()
                 marker.write_text(json.dumps([c.metrics["step"] for c in committed]))
                 os._exit(1)
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            (out / f"rank{rank}.final").write_text(json.dumps(
+                {"params": [p.detach().cpu().double().sum().item() for p in model.parameters()],
+                 "output_dir": args.output_dir}))
 
     args = TrainingArguments(
         output_dir=str(out / "hf"), max_steps=HF_STEPS, per_device_train_batch_size=2, per_device_eval_batch_size=2,
@@ -358,5 +367,10 @@ def test_hugging_face_trainer_trains_on_the_device_reports_and_resumes_after_a_w
     with result.checkpoint.as_directory() as d:
         state = json.loads((Path(d) / "checkpoint" / "trainer_state.json").read_text())
     assert state["global_step"] == HF_STEPS
+    # data parallel: ranks read different shards, yet end with the same parameters;
+    # rank 0 alone wrote into output_dir (the others into rank<k>/ below it)
+    finals = [json.loads((out / f"rank{r}.final").read_text()) for r in range(4)]
+    assert all(f["params"] == finals[0]["params"] for f in finals), [f["params"][:2] for f in finals]
+    assert [Path(f["output_dir"]).name for f in finals] == ["hf", "rank1", "rank2", "rank3"]
     # the resumed run's log continues step 1's: one training loss per step, none repeated
     assert [log["step"] for log in state["log_history"] if "loss" in log] == [1, 2]
