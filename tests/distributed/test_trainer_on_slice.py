@@ -346,17 +346,27 @@ def _hf_loop(config):
 
 
 def test_hugging_face_trainer_trains_on_the_device_reports_and_resumes_after_a_worker_dies(sim, tmp_path):
+    from ray_train_tpu.progress import TrainingProgress
+
     out = tmp_path / "hf_out"
     out.mkdir()
-    result = TPUTorchTrainer(
+    progress = TrainingProgress(total=HF_STEPS, poll_s=0.2)
+    result = progress.fit(TPUTorchTrainer(
         _hf_loop,
         train_loop_config={"out": str(out)},
         datasets={"train": ray.data.from_items(_hf_rows(16))},
         scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
-        run_config=ray.train.RunConfig(name="hf", storage_path=str(tmp_path / "storage"),
+        run_config=ray.train.RunConfig(name="hf", storage_path=str(tmp_path / "storage"), callbacks=[progress],
                                        failure_config=ray.train.FailureConfig(max_failures=1)),
-    ).fit()
+    ))
     assert result.error is None, result.error
+    # the progress bar's records carry each chip's memory, read in the workers (no code in _hf_loop):
+    # at least the model's parameters, gradients and Adam moments on every rank, of v4's 32 GiB
+    last = progress.history[-1]
+    assert last["step"] == HF_STEPS and sorted(last["device_memory"]) == [0, 1, 2, 3]
+    state_bytes = 4 * 4 * sum(p.numel() for p in _tiny_llama().parameters())
+    assert all(m["peak_bytes"] >= state_bytes for m in last["device_memory"].values()), last["device_memory"]
+    assert last["device_total_bytes"] == 32 * 2**30
     assert json.loads((out / "killed").read_text()) == [1]  # step 1's checkpoint was committed when rank 1 died
     starts = {r: [json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(4)}
     for r, runs in starts.items():
