@@ -23,6 +23,9 @@ simulation:
   as a C++ backend's ``c10::DeviceAllocator`` would answer them). There is no
   cache: ``empty_cache`` frees nothing and ``reserved == allocated``.
 - ``torch.accelerator.synchronize`` (every op already ran when it returns).
+- ``torch.load(f, map_location="tpu:0")`` (`install_load`): loaded on the host,
+  then every tensor copied to the device (torch's storage restore cannot be
+  carried by a Python backend).
 - **Pinned host memory** for ``DataLoader(pin_memory=True)``: ``Tensor.pin_memory()``
   gives a host copy that ``is_pinned()`` (ordinary pageable memory underneath:
   it only lets the same code run).
