@@ -286,8 +286,10 @@ def _hf_loop(config):
     eval and save every step; rank 1 dies once, and the run resumes from Ray Train's
     latest checkpoint."""
     import os
+    import time
 
     import datasets
+    import psutil
     from accelerate.state import AcceleratorState
     from ray.train.huggingface.transformers import RayTrainReportCallback
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -308,7 +310,10 @@ def _hf_loop(config):
                 f.write(json.dumps({"start_step": state.global_step, "device": str(args.device),
                                     "param_device": str(next(model.parameters()).device),
                                     "mixed_precision": str(AcceleratorState().mixed_precision),
-                                    "checkpointing": model.is_gradient_checkpointing}) + "\n")
+                                    "checkpointing": model.is_gradient_checkpointing,
+                                    # where the time goes (not asserted): process start, first step
+                                    "process_start_s": psutil.Process().create_time(), "first_step_s": time.time()})
+                        + "\n")
 
         def on_step_end(self, args, state, control, **kwargs):
             marker = out / "killed"
@@ -318,12 +323,13 @@ def _hf_loop(config):
                 # have to come after it for this checkpoint to count
                 committed = ray.train.get_all_reported_checkpoints()
                 marker.write_text(json.dumps([c.metrics["step"] for c in committed]))
+                (out / "killed_at").write_text(str(time.time()))
                 os._exit(1)
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
             (out / f"rank{rank}.final").write_text(json.dumps(
                 {"params": [p.detach().cpu().double().sum().item() for p in model.parameters()],
-                 "output_dir": args.output_dir}))
+                 "output_dir": args.output_dir, "end_s": time.time()}))
 
     args = TrainingArguments(
         output_dir=str(out / "hf"), max_steps=HF_STEPS, per_device_train_batch_size=2, per_device_eval_batch_size=2,
@@ -351,6 +357,7 @@ def test_hugging_face_trainer_trains_on_the_device_reports_and_resumes_after_a_w
     out = tmp_path / "hf_out"
     out.mkdir()
     progress = TrainingProgress(total=HF_STEPS, poll_s=0.2)
+    (out / "fit_start").write_text(str(__import__("time").time()))
     result = progress.fit(TPUTorchTrainer(
         _hf_loop,
         train_loop_config={"out": str(out)},
