@@ -6,8 +6,13 @@ The same MLP (``--blocks`` x [Linear(dim, hidden), ReLU, Linear(hidden, dim)],
 ranks) and ``fsdp2+tp`` (tp 2 x FSDP 2), on 4 workers of a SIMULATED v4 2x2x1
 slice. After the last step (gradients kept) every rank counts the bytes it
 holds: for a DTensor, its local shard (``p.to_local()``), for gradients and
-optimizer state alike; and its peak RSS (``resource.getrusage``), also as the
-growth over the peak before the model was built.
+optimizer state alike; the chip's own memory statistics
+(`ray_train_tpu.device.accelerator_memory`: ``torch.accelerator.memory_allocated``
+and ``max_memory_allocated``, HBM on a TPU, the bytes of live device tensors on
+the simulated slice), which need no counting code and also see what the counts
+miss (FSDP2's all-gathered parameters at the peak, DDP's gradient buckets); and
+its peak RSS (``resource.getrusage``), also as the growth over the peak before
+the model was built.
 
 Target: FSDP2 per-rank state (parameters + gradients + optimizer state) <=
 1.1 x (DDP's / world size).
@@ -131,6 +136,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def chip_memory() -> dict:
+    """This rank's chip memory, as torch.accelerator reports it (None where unknown)."""
+    from ray_train_tpu.device import accelerator_memory
+
+    chip = accelerator_memory()
+    return {"device_allocated_bytes": chip.get("allocated_bytes"), "device_peak_bytes": chip.get("peak_bytes"),
+            "device_total_bytes": chip.get("total_bytes")}
+
+
 def memory_loop(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -151,7 +165,8 @@ def memory_loop(cfg: dict) -> None:
         opt.zero_grad(set_to_none=True)
         model(x).pow(2).mean().backward()
         opt.step()
-    mine = {"rank": dist.get_rank(), **state_bytes(model, opt), "peak_rss_bytes": peak_rss_bytes(),
+    del x
+    mine = {"rank": dist.get_rank(), **state_bytes(model, opt), **chip_memory(), "peak_rss_bytes": peak_rss_bytes(),
             "peak_rss_before_model_bytes": rss_before, "model_type": type(model).__name__,
             "dp_replicas": shard["num_replicas"], "niceness": os.nice(0),
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
@@ -176,13 +191,22 @@ def run_strategy(name: str, args, storage: str) -> dict:
     ).fit()
     if result.error is not None:
         raise result.error
-    ranks = result.metrics["ranks"]
+    return strategy_row(name, result.metrics["ranks"])
+
+
+def strategy_row(name: str, ranks: list[dict]) -> dict:
+    """One strategy's figures: the largest rank's, for each quantity."""
+    def most(key):
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        return max(values) if values else None
+
     worst = max(ranks, key=lambda r: r["state_bytes"])
     return {"strategy": name, "ranks": ranks, "max_state_bytes": worst["state_bytes"],
-            "max_param_bytes": max(r["param_bytes"] for r in ranks),
-            "max_grad_bytes": max(r["grad_bytes"] for r in ranks),
-            "max_optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
-            "max_peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+            "max_param_bytes": most("param_bytes"), "max_grad_bytes": most("grad_bytes"),
+            "max_optimizer_bytes": most("optimizer_bytes"),
+            "max_device_allocated_bytes": most("device_allocated_bytes"),
+            "max_device_peak_bytes": most("device_peak_bytes"), "device_total_bytes": most("device_total_bytes"),
+            "max_peak_rss_bytes": most("peak_rss_bytes"),
             "max_rss_growth_bytes": max(r["peak_rss_bytes"] - r["peak_rss_before_model_bytes"] for r in ranks)}
 
 
@@ -214,12 +238,14 @@ def main(argv=None) -> dict:
         for name in args.strategies:
             rows.append(run_strategy(name, args, storage))
             r = rows[-1]
-            print(f"{name:9} state/rank {r['max_state_bytes'] / MB:7.1f} MiB  peak RSS {r['max_peak_rss_bytes'] / MB:7.0f} MiB",
-                  flush=True)
+            print(f"{name:9} state/rank {r['max_state_bytes'] / MB:7.1f} MiB  chip peak {_mib(r['max_device_peak_bytes'])} "
+                  f"MiB  peak RSS {r['max_peak_rss_bytes'] / MB:7.0f} MiB", flush=True)
     result = {
         "question": "how much does each strategy hold per rank?",
         "environment": environment(simulated=True),
-        "note": ("Counted bytes (local shards of DTensors) are exact and machine-independent; peak RSS "
+        "note": ("Counted bytes (local shards of DTensors) are exact and machine-independent; the chip's "
+                 "figures are torch.accelerator's memory_allocated / max_memory_allocated after the last step "
+                 "(SIMULATED: the bytes of live simulated device tensors; HBM on a TPU); peak RSS "
                  "is per process and includes the full model built before sharding, activations, "
                  "FSDP2's all-gathered parameters and DDP's gradient buckets."),
         "settings": {"topology": TOPOLOGY, "accelerator_type": ACCEL, "world_size": WORLD, "dim": args.dim,
@@ -236,15 +262,21 @@ def main(argv=None) -> dict:
     return result
 
 
+def _mib(n) -> str:
+    return f"{n / MB:8.1f}" if n is not None else f"{'n/a':>8}"
+
+
 def _print_table(result):
     print(f"\nper rank (max over {WORLD} ranks), MiB, {result['num_params'] / 1e6:.1f} M params "
           "[SIMULATED slice, CPU, gloo]")
-    print(f"{'strategy':9} {'params':>8} {'grads':>8} {'AdamW':>8} {'state':>8} {'x DDP/4':>8} {'peak RSS':>9} {'RSS growth':>10}")
+    print(f"{'strategy':9} {'params':>8} {'grads':>8} {'AdamW':>8} {'state':>8} {'x DDP/4':>8} {'chip now':>8} "
+          f"{'chip peak':>9} {'peak RSS':>9} {'RSS growth':>10}")
     for r in result["rows"]:
         ratio = r.get("state_over_ddp_per_world")
         print(f"{r['strategy']:9} {r['max_param_bytes'] / MB:8.1f} {r['max_grad_bytes'] / MB:8.1f} "
               f"{r['max_optimizer_bytes'] / MB:8.1f} {r['max_state_bytes'] / MB:8.1f} "
-              f"{ratio if ratio is not None else float('nan'):8.3f} {r['max_peak_rss_bytes'] / MB:9.0f} "
+              f"{ratio if ratio is not None else float('nan'):8.3f} {_mib(r.get('max_device_allocated_bytes'))} "
+              f"{_mib(r.get('max_device_peak_bytes'))} {r['max_peak_rss_bytes'] / MB:9.0f} "
               f"{r['max_rss_growth_bytes'] / MB:10.0f}")
     t = result.get("fsdp2_target")
     if t:
@@ -268,6 +300,8 @@ def _plot(result, path):
         ax.bar(xs, vals, bottom=bottom, label=label, width=0.5)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot(xs, [r["max_rss_growth_bytes"] / MB for r in rows], "kD", label="peak RSS growth")
+    if all(r.get("max_device_peak_bytes") is not None for r in rows):
+        ax.plot(xs, [r["max_device_peak_bytes"] / MB for r in rows], "r^", label="chip peak (torch.accelerator)")
     if "ddp_over_world_bytes" in result:
         ax.axhline(result["ddp_over_world_bytes"] / MB, color="gray", ls="--", label="DDP / world size")
     ax.set_xticks(list(xs), [r["strategy"] for r in rows])

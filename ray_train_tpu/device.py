@@ -10,6 +10,8 @@
 - anything else: what ``ray.train.torch.get_device()`` says (``cuda:N`` or
   ``cpu``), also on the driver of a simulated cluster, which holds no TPU.
 
+`accelerator_memory()`: this chip's memory in use, peak and total, from ``torch.accelerator``.
+
 `compute_dtype()`: the low-precision dtype to train in, bfloat16 wherever the
 hardware computes it natively.
 """
@@ -106,6 +108,38 @@ def describe_simulated_chip() -> None:
     gen, _ = topology.parse_pod_type(pod_type)
     simulated_tpu_runtime.describe_chip(TORCH_TPU_CHIP_NAMES[gen.accelerator_type],
                                         gen.hbm_bytes_per_chip // gen.devices_per_chip)
+
+
+def accelerator_memory() -> dict:
+    """This process's accelerator memory, as its allocator counts it.
+
+    ``{"allocated_bytes", "peak_bytes"[, "total_bytes"]}`` from ``torch.accelerator``:
+    on a TPU, torch_tpu's ``TpuAllocator`` (a ``c10::DeviceAllocator``), i.e. the
+    chip's HBM in use, the peak since the last ``reset_peak_memory_stats`` and the
+    HBM per device (``get_memory_info``); on the simulated device, the bytes of
+    live device tensors and the generation's HBM per device from the topology
+    table (total omitted where the chip is unknown). ``{}`` in a process without
+    an accelerator (the driver, a CPU worker). `ray_train_tpu.progress` and
+    ``benchmarks/strategy_memory.py`` show it per chip.
+
+    Example:
+        >>> accelerator_memory()["peak_bytes"] / 2**30  # in a worker: GiB at peak  # doctest: +SKIP
+        3.2
+    """
+    import torch
+
+    if torch.accelerator.current_accelerator() is None:
+        return {}
+    index = torch.accelerator.current_device_index()
+    stats = {"allocated_bytes": int(torch.accelerator.memory_allocated(index)),
+             "peak_bytes": int(torch.accelerator.max_memory_allocated(index))}
+    try:
+        total = int(torch.accelerator.get_memory_info(index)[1])
+    except (RuntimeError, NotImplementedError):  # a backend without memory info
+        total = 0
+    if total > 0:
+        stats["total_bytes"] = total
+    return stats
 
 
 def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:

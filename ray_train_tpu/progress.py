@@ -8,6 +8,15 @@ runs, a driver thread polls that actor, advances a ``tqdm.auto`` bar (a widget
 in Jupyter) to the reported ``step`` and keeps every report in ``history``, e.g.
 for a loss curve. The training function needs nothing but ``ray.train.report``.
 
+Each report also carries the chips' memory, without any code in the training
+function: a companion callback (`WorkerMemory`, which `TrainingProgress.fit`
+adds to the run) runs in every worker around each ``ray.train.report`` and sends
+`ray_train_tpu.device.accelerator_memory` (``torch.accelerator``'s statistics: HBM
+on a TPU, the bytes of live device tensors on a simulated slice) to the same
+actor. Every record then has ``device_peak_bytes`` and ``device_allocated_bytes``
+(the largest over the ranks), ``device_total_bytes`` (HBM per device) and
+``device_memory`` (each rank's), and the bar shows ``mem=<peak>/<HBM>``.
+
 Example:
     >>> progress = TrainingProgress(total=100, desc="fine-tuning")            # doctest: +SKIP
     >>> trainer = TPUTorchTrainer(train_fn, scaling_config=...,               # doctest: +SKIP
@@ -19,11 +28,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Optional, Sequence
 
 import ray
 from ray.train import UserCallback
+
+from ray_train_tpu._compat.ray_train import WorkerReportCallback
 
 
 class ReportLog:
@@ -31,9 +43,13 @@ class ReportLog:
 
     def __init__(self):
         self._records: list[dict] = []
+        self._memory: dict[int, dict] = {}  # rank -> its chip's memory at its latest report
+
+    def memory(self, rank: int, stats: dict) -> None:
+        self._memory[rank] = dict(stats)
 
     def append(self, metrics: dict, has_checkpoint: bool) -> None:
-        self._records.append({**metrics, "checkpoint": has_checkpoint})
+        self._records.append({**metrics, "checkpoint": has_checkpoint, **memory_summary(self._memory)})
 
     def since(self, start: int) -> list[dict]:
         return self._records[start:]
@@ -54,8 +70,13 @@ class TrainingProgress(UserCallback):
 
     Attributes:
         history: every report so far (rank 0's metrics, plus ``"checkpoint"``:
-            whether it carried one), in order; restarts after a failure appear
-            as steps counted again.
+            whether it carried one, and the chips' memory: ``device_peak_bytes``,
+            ``device_allocated_bytes``, ``device_total_bytes``, ``device_memory``),
+            in order; restarts after a failure appear as steps counted again.
+        worker_callback: the `WorkerMemory` callback that reads each rank's chip
+            memory at its reports; `fit` adds it to the run. Calling
+            ``trainer.fit()`` yourself, pass both:
+            ``RunConfig(callbacks=[progress, progress.worker_callback])``.
     """
 
     def __init__(self, total: Optional[int] = None, *, desc: str = "training", step_key: str = "step",
@@ -68,6 +89,7 @@ class TrainingProgress(UserCallback):
         self.postfix, self.poll_s = tuple(postfix), poll_s
         self.history: list[dict] = []
         self._log = ray.remote(num_cpus=0)(ReportLog).remote()
+        self.worker_callback = WorkerMemory(self._log)
 
     def __getstate__(self) -> dict:
         # Ray Train ships the callback to its controller: the actor handle is all it needs.
@@ -89,6 +111,7 @@ class TrainingProgress(UserCallback):
         """
         from tqdm.auto import tqdm
 
+        _add_worker_callback(trainer, self.worker_callback)
         stop = threading.Event()
         with tqdm(total=self.total, desc=self.desc, unit="step") as bar:
             poller = threading.Thread(target=self._follow, args=(bar, stop), daemon=True)
@@ -115,12 +138,65 @@ class TrainingProgress(UserCallback):
         return new
 
 
+def _add_worker_callback(trainer, callback: "WorkerMemory") -> None:
+    run_config = getattr(trainer, "run_config", None)
+    if run_config is None:
+        return
+    callbacks = list(run_config.callbacks or [])
+    if not any(isinstance(c, WorkerMemory) for c in callbacks):
+        run_config.callbacks = [*callbacks, callback]
+
+
+class WorkerMemory(WorkerReportCallback):
+    """Runs in every worker (Ray Train copies it there): at each ``ray.train.report``
+    it sends this rank's `accelerator_memory` to the progress actor. Nothing is
+    sent from a process without an accelerator."""
+
+    def __init__(self, log):
+        self._log = log
+
+    @contextlib.contextmanager
+    def on_report(self):
+        from ray_train_tpu.device import accelerator_memory
+
+        stats = accelerator_memory()
+        if stats:
+            self._log.memory.remote(ray.train.get_context().get_world_rank(), stats)
+        yield
+
+
+def memory_summary(by_rank: dict) -> dict:
+    """The per-rank memory readings as a report's memory fields (none without readings)."""
+    if not by_rank:
+        return {}
+    out = {"device_peak_bytes": max(m.get("peak_bytes", 0) for m in by_rank.values()),
+           "device_allocated_bytes": max(m.get("allocated_bytes", 0) for m in by_rank.values()),
+           "device_memory": {rank: dict(m) for rank, m in sorted(by_rank.items())}}
+    totals = [m["total_bytes"] for m in by_rank.values() if "total_bytes" in m]
+    if totals:
+        out["device_total_bytes"] = max(totals)
+    return out
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5KiB'``, ``32 * 2**30 -> '32GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.3g}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def advance(bar, history: Sequence[dict], step_key: str = "step", postfix: Sequence[str] = ()) -> None:
     """Set ``bar`` (a tqdm) to the last report's step (or to the number of reports
-    when they carry no ``step_key``) and show its ``postfix`` metrics."""
+    when they carry no ``step_key``) and show its ``postfix`` metrics and the
+    chips' peak memory (``mem=peak/HBM``, the largest rank's)."""
     last = history[-1]
     bar.n = int(last[step_key]) if step_key in last else len(history)
-    shown = {k: last[k] for k in postfix if isinstance(last.get(k), (int, float))}
+    shown = {k: f"{last[k]:.4g}" for k in postfix if isinstance(last.get(k), (int, float))}
+    if "device_peak_bytes" in last:
+        total = last.get("device_total_bytes")
+        shown["mem"] = format_bytes(last["device_peak_bytes"]) + (f"/{format_bytes(total)}" if total else "")
     if shown:
-        bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        bar.set_postfix(shown, refresh=False)
     bar.refresh()

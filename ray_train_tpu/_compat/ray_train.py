@@ -33,6 +33,7 @@ from typing import Any, Callable, List, Optional
 
 import ray
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.callback import TrainContextCallback
 from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
 from ray_train_tpu import _environ
@@ -45,6 +46,11 @@ TESTED_RAY_VERSION = C.RAY_VERSION
 # Ray Train's private torch backend (``ray.train.torch.config._TorchBackend``):
 # our backend extends it, as Ray's own TorchConfig backend does.
 RayTorchBackend = _TorchBackend
+# A RunConfig callback of this (private) class is copied to every worker, where Ray
+# Train enters its ``on_report()`` context around each ``ray.train.report`` call
+# (the public ``UserCallback`` runs in the controller only). `progress` reads the
+# chip's memory there.
+WorkerReportCallback = TrainContextCallback
 _ORIGINAL_SORT = WorkerGroup.__dict__["_sort_workers_by_tpu_pod_name"]
 _UNKNOWN = 1 << 30
 

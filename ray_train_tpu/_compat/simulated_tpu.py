@@ -457,6 +457,7 @@ def install() -> torch.device:
         libraries = [library]
         _runtime.install_autocast(libraries)
         _runtime.install_pinned_memory(libraries)
+        _runtime.install_load()
         _runtime.route_accelerator()
         _runtime.install_compile_backend(SimulatedTPUTensor)
         # what torch_tpu's users get from Ray: torch.device("tpu"), tensors then on tpu:0

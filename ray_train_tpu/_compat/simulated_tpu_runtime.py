@@ -23,6 +23,9 @@ simulation:
   as a C++ backend's ``c10::DeviceAllocator`` would answer them). There is no
   cache: ``empty_cache`` frees nothing and ``reserved == allocated``.
 - ``torch.accelerator.synchronize`` (every op already ran when it returns).
+- ``torch.load(f, map_location="tpu:0")`` (`install_load`): loaded on the host,
+  then every tensor copied to the device (torch's storage restore cannot be
+  carried by a Python backend).
 - **Pinned host memory** for ``DataLoader(pin_memory=True)``: ``Tensor.pin_memory()``
   gives a host copy that ``is_pinned()`` (ordinary pageable memory underneath:
   it only lets the same code run).
@@ -683,6 +686,53 @@ def install_pinned_memory(libraries: list) -> None:
     libraries.append(library)
 
 
+# -- torch.load(..., map_location="tpu:0")
+
+def _names_device(location: Any) -> bool:
+    return isinstance(location, (str, torch.device)) and torch.device(location).type == DEVICE_TYPE
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """Every host tensor of a loaded object on `device`, one copy per tensor object
+    (a tensor that appears twice stays one tensor)."""
+    from torch.utils._pytree import tree_map_only
+
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            moved[id(t)] = t if t.device.type == DEVICE_TYPE else t.to(device)
+        return moved[id(t)]
+
+    return tree_map_only(torch.Tensor, move, tree)
+
+
+def install_load() -> None:
+    """``torch.load(f, map_location="tpu:0")`` (what the HF Trainer passes when a
+    multi-process run resumes its optimizer state, as ``args.device``). torch
+    restores each storage with ``storage.to("tpu:0")``, a storage copy a
+    Python backend cannot make (the process dies with SIGSEGV); here the file is
+    loaded on the host and its tensors are then copied to the device, as
+    torch_tpu's C++ storages get there in one step. Tensors inside objects that
+    are not containers (a pickled module) stay where the file put them; a
+    ``map_location`` dict or callable naming the device is refused."""
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(f, map_location=None, *args, **kwargs):
+        if _names_device(map_location):
+            return _to_device(original(f, *args, map_location="cpu", **kwargs), torch.device(map_location))
+        if isinstance(map_location, dict) and any(_names_device(v) for v in map_location.values()):
+            raise NotSimulatedError(
+                f"torch.load(map_location={map_location!r}): a map_location dict that sends storages to the "
+                "simulated TPU device is not simulated; pass map_location='tpu:0' (or 'cpu' and move the "
+                "tensors with .to(device))")
+        return original(f, map_location, *args, **kwargs)
+
+    load.__wrapped__ = original
+    torch.load = load
+
+
 # -- torch.accelerator: PyTorch's C entry points, answered for this device
 
 _ACCELERATOR_ROUTES = {
@@ -776,4 +826,4 @@ def install_compile_backend(tensor_type: type) -> None:
 
 __all__ = ["DeviceModule", "Event", "NotSimulatedError", "REFUSED", "Stream", "memory", "describe_chip",
            "torch_tpu_autocast_ops", "autocast_ops", "route_accelerator", "install_autocast",
-           "install_pinned_memory", "install_compile_backend"]
+           "install_pinned_memory", "install_load", "install_compile_backend"]

@@ -620,3 +620,18 @@ def test_torchrun_with_one_process_trains_the_bare_model_as_the_ray_launchers_do
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_strategy_row_takes_the_largest_rank_and_keeps_missing_chip_figures_missing():
+    ranks = [{"state_bytes": 10, "param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 2, "device_allocated_bytes": 12,
+              "device_peak_bytes": 30, "device_total_bytes": 32 * 2**30, "peak_rss_bytes": 100,
+              "peak_rss_before_model_bytes": 60},
+             {"state_bytes": 11, "param_bytes": 5, "grad_bytes": 4, "optimizer_bytes": 2, "device_allocated_bytes": 13,
+              "device_peak_bytes": 25, "device_total_bytes": 32 * 2**30, "peak_rss_bytes": 90,
+              "peak_rss_before_model_bytes": 20}]
+    row = strategy_memory.strategy_row("fsdp2", ranks)
+    assert (row["max_state_bytes"], row["max_device_allocated_bytes"], row["max_device_peak_bytes"],
+            row["max_rss_growth_bytes"]) == (11, 13, 30, 70)
+    host_only = [{**r, "device_allocated_bytes": None, "device_peak_bytes": None, "device_total_bytes": None}
+                 for r in ranks]
+    assert strategy_memory.strategy_row("ddp", host_only)["max_device_peak_bytes"] is None

@@ -37,6 +37,17 @@ def test_pinned_ray_version_and_seams_exist():
     assert issubclass(TorchConfig().backend_cls, compat_ray.RayTorchBackend)
 
 
+def test_worker_report_callback_seam_wraps_each_report_in_the_worker():
+    """A RunConfig callback of Ray's TrainContextCallback class reaches the workers, and each
+    ray.train.report runs inside its on_report() (what progress's memory reading relies on)."""
+    from ray.train.v2._internal.execution.context import TrainContext
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    assert "on_report" in vars(compat_ray.WorkerReportCallback)
+    assert "callback.on_report" in inspect.getsource(TrainContext.report)
+    assert "TrainContextCallback" in inspect.getsource(TrainController.__init__)
+
+
 def test_pinned_torch_version_and_seams_exist():
     assert compat_torch.version_matches(torch.__version__), (torch.__version__, C.TORCH_VERSION)
     assert not compat_torch.version_matches("2.1.0") and compat_torch.version_matches(C.TORCH_VERSION + ".0+cpu")

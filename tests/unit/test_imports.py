@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("scaling", "launch_env", "mesh", "kuberay"),
     ("discovery",),
     ("device", "throughput", "progress", "examples", "hang"),
-    ("strategies", "prepare", "data", "_worker_fns", "_worker", "checkpoint"),
+    ("strategies", "prepare", "data", "_worker_fns", "_worker", "checkpoint", "huggingface"),
     ("_backend", "config"),
     ("trainer", "actors"),
     ("testing", "doctor"),

@@ -136,3 +136,67 @@ def test_report_log_returns_what_came_after_an_index():
 def test_bad_arguments(fake_ray, kwargs):
     with pytest.raises(ValueError, match="TrainingProgress"):
         TrainingProgress(**kwargs)
+
+
+# --- the chips' memory, read in the workers at each report ---------------------------
+
+class _Context:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def get_world_rank(self):
+        return self.rank
+
+
+def test_each_report_carries_the_chips_memory_read_in_the_workers(fake_ray, text_bars, monkeypatch):
+    """The worker callback reads accelerator_memory inside ray.train.report (no code in the
+    training function); the next record holds the largest rank's peak and the bar shows it."""
+    import types
+
+    from ray_train_tpu import device
+
+    progress = TrainingProgress(total=2, poll_s=0.01)
+    worker = pickle.loads(pickle.dumps(progress.worker_callback))  # as Ray Train ships it to a worker
+    readings = {0: {"allocated_bytes": 3 * 2**20, "peak_bytes": 5 * 2**20, "total_bytes": 32 * 2**30},
+                1: {"allocated_bytes": 4 * 2**20, "peak_bytes": 6 * 2**20, "total_bytes": 32 * 2**30}}
+    for rank, stats in readings.items():
+        monkeypatch.setattr(device, "accelerator_memory", lambda stats=stats: stats)
+        monkeypatch.setattr(progress_mod, "ray", types.SimpleNamespace(
+            train=types.SimpleNamespace(get_context=lambda rank=rank: _Context(rank)), get=_FakeRay.get,
+            remote=_FakeRay().remote))
+        with worker.on_report():
+            pass
+    trainer = _Trainer(progress, steps=2)
+    trainer.run_config = types.SimpleNamespace(callbacks=[progress])
+    progress.fit(trainer)
+    assert trainer.run_config.callbacks == [progress, progress.worker_callback]  # fit added the worker side
+    last = progress.history[-1]
+    assert last["device_peak_bytes"] == 6 * 2**20 and last["device_allocated_bytes"] == 4 * 2**20
+    assert last["device_total_bytes"] == 32 * 2**30 and last["device_memory"] == readings
+    assert "mem=6MiB/32GiB" in text_bars.getvalue()
+
+
+def test_no_memory_fields_where_no_worker_has_an_accelerator(fake_ray, monkeypatch):
+    from ray_train_tpu import device
+
+    progress = TrainingProgress(total=1)
+    monkeypatch.setattr(device, "accelerator_memory", lambda: {})
+    with progress.worker_callback.on_report():  # sends nothing (no rank needed)
+        pass
+    progress.fit(_Trainer(progress, steps=1))
+    assert set(progress.history[0]) == {"step", "loss", "checkpoint"}
+
+
+def test_the_worker_callback_is_ray_trains_worker_side_report_hook():
+    from ray.train import UserCallback
+
+    from ray_train_tpu._compat.ray_train import WorkerReportCallback
+    from ray_train_tpu.progress import WorkerMemory
+
+    # not a UserCallback: Ray Train copies only the other kinds to the workers
+    assert issubclass(WorkerMemory, WorkerReportCallback) and not issubclass(WorkerMemory, UserCallback)
+
+
+def test_format_bytes():
+    assert [progress_mod.format_bytes(n) for n in (512, 1536, 16 * 2**20, 32 * 2**30)] == [
+        "512B", "1.5KiB", "16MiB", "32GiB"]

@@ -22,7 +22,10 @@ def _in_child(fn, world_size=1):
 def _single_rank_checks(rank, world):
     return {name: fn(rank, world) for name, fn in (("mixing", _mixing_fails), ("copies", _host_device_copies),
                                                    ("rng", _own_generator), ("pickle", _pickles_to_the_device),
-                                                   ("in_place", _in_place_metadata), ("ties", _tied_weights))}
+                                                   ("in_place", _in_place_metadata), ("ties", _tied_weights),
+                                                   ("load", _loads_onto_the_device),
+                                                   ("memory", _accelerator_memory_of_the_chip),
+                                                   ("adamw", _chip_memory_after_adamw))}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +185,118 @@ def _saved(t):
 
 def test_pickling_copies_to_the_host_and_rebuilds_on_the_device(checked):
     assert checked["pickle"] == ["tpu", "tpu", "cpu", True]
+
+
+def _loads_onto_the_device(rank, world):
+    """``torch.load(f, map_location="tpu:0")``, as the HF Trainer resumes optimizer state in a
+    multi-process run (torch's own restore, ``storage.to("tpu:0")``, kills a Python backend's
+    process with SIGSEGV)."""
+    import io
+
+    import ray_train_tpu
+    from ray_train_tpu._compat.simulated_tpu_runtime import NotSimulatedError
+
+    exp_avg = torch.arange(3.0)
+    state = {"state": {0: {"exp_avg": exp_avg, "same": exp_avg}}, "step": torch.tensor(2.0),
+             "device_saved": torch.arange(4.0, device=ray_train_tpu.get_device())}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    seen = []
+    for location in ("tpu:0", torch.device("tpu", 0), "tpu"):
+        buffer.seek(0)
+        loaded = torch.load(buffer, map_location=location, weights_only=True)
+        seen.append([str(loaded["step"].device), str(loaded["state"][0]["exp_avg"].device),
+                     str(loaded["device_saved"].device), loaded["state"][0]["exp_avg"] is loaded["state"][0]["same"],
+                     torch.equal(loaded["state"][0]["exp_avg"].cpu(), exp_avg)])
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location={"cpu": "tpu:0"}, weights_only=True)
+        refused = None
+    except NotSimulatedError as e:
+        refused = str(e)
+    return seen, refused
+
+
+def test_torch_load_with_map_location_tpu_puts_every_tensor_on_the_device(checked):
+    seen, refused = checked["load"]
+    assert seen == [["tpu:0", "tpu:0", "tpu:0", True, True]] * 3
+    assert refused is not None and "map_location='tpu:0'" in refused
+
+
+def _accelerator_memory_of_the_chip(rank, world):
+    """What progress bars and benchmarks read per chip: torch.accelerator's statistics."""
+    import os
+
+    import ray_train_tpu
+    from ray_train_tpu import device as device_mod
+    from ray_train_tpu import topology
+
+    device = ray_train_tpu.get_device()
+    before = device_mod.accelerator_memory()
+    t = torch.empty(4 * 2**20, dtype=torch.float32, device=device)  # 16 MiB
+    during = device_mod.accelerator_memory()
+    del t
+    after = device_mod.accelerator_memory()
+    os.environ["TPU_ACCELERATOR_TYPE"] = "v4-8"
+    device_mod.describe_simulated_chip()
+    gen, _ = topology.parse_pod_type("v4-8")
+    return {"grew": during["allocated_bytes"] - before["allocated_bytes"],
+            "peak_covers": during["peak_bytes"] >= during["allocated_bytes"],
+            "freed": after["allocated_bytes"] == before["allocated_bytes"],
+            "total_before": before.get("total_bytes"),
+            "total": device_mod.accelerator_memory()["total_bytes"],
+            "hbm_per_device": gen.hbm_bytes_per_chip // gen.devices_per_chip}
+
+
+def test_accelerator_memory_reads_torch_accelerator_per_chip(checked):
+    m = checked["memory"]
+    assert m["grew"] == 16 * 2**20 and m["peak_covers"] and m["freed"]
+    assert m["total_before"] is None  # no chip described: torch_tpu's answer for an unknown chip has no size
+    assert m["total"] == m["hbm_per_device"] == 32 * 2**30  # v4: one device (megacore) of 32 GiB per chip
+
+
+def test_accelerator_memory_is_empty_without_an_accelerator():
+    from ray_train_tpu.device import accelerator_memory
+
+    assert torch.accelerator.current_accelerator() is None  # the test process never simulates
+    assert accelerator_memory() == {}
+
+
+def _strategy_memory():
+    from benchmarks import strategy_memory
+
+    return strategy_memory
+
+
+def _chip_memory_after_adamw(rank, world):
+    import ray_train_tpu
+
+    device = ray_train_tpu.get_device()
+    before = _strategy_memory().chip_memory()["device_allocated_bytes"]  # what the other checks left alive
+    torch.manual_seed(0)
+    model = _strategy_memory().mlp(32, 64, 1).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32).to(device)).pow(2).mean().backward()
+    opt.step()
+    on_device = sum(t.numel() * t.element_size()
+                    for t in [*model.parameters(), *(p.grad for p in model.parameters()),
+                              *(v for s in opt.state.values() for v in s.values())]
+                    if isinstance(t, torch.Tensor) and t.device.type == "tpu")
+    chip = _strategy_memory().chip_memory()
+    return {"counted": _strategy_memory().state_bytes(model, opt), "on_device": on_device,
+            "allocated": chip["device_allocated_bytes"] - before, "chip": chip}
+
+
+def test_strategy_memory_benchmarks_chip_figures_are_the_allocators_bytes_of_the_training_state(checked):
+    """On the simulated device, torch.accelerator's allocated bytes after an AdamW step are
+    the parameters, gradients and Adam moments the benchmark counts (AdamW's step counters
+    stay on the host, as torch keeps them for a non-capturable optimizer)."""
+    got = checked["adamw"]
+    counted = got["counted"]
+    params = counted["param_bytes"]
+    assert got["allocated"] == got["on_device"] == 4 * params  # param, grad, exp_avg, exp_avg_sq
+    assert counted["grad_bytes"] == params and counted["optimizer_bytes"] > 2 * params
+    assert got["chip"]["device_peak_bytes"] >= got["chip"]["device_allocated_bytes"]
 
 
 def _collectives(rank, world):
