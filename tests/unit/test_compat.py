@@ -167,6 +167,35 @@ def test_pinned_ray_llm_seams_exist(simulated):
     assert '"num_cpus" not in ray_remote_args' in inspect.getsource(map_operator)
 
 
+def test_vllm_shutdown_race_that_cancel_output_handler_avoids(simulated):
+    """vLLM 0.29's AsyncLLM.shutdown stops the engine core client (whose output
+    task queues an EngineDeadError when cancelled) before it cancels the output
+    handler, which logs what it reads with a traceback: our batch engines cancel
+    the handler first (`cancel_output_handler`)."""
+    import asyncio
+
+    from vllm.v1.engine import async_llm, core_client
+
+    from ray_train_tpu._compat import vllm as V
+
+    shutdown = inspect.getsource(async_llm.AsyncLLM.shutdown)
+    assert shutdown.index("engine_core.shutdown(") < shutdown.index("cancel_task_threadsafe(handler)")
+    client = inspect.getsource(core_client.AsyncMPClient)
+    assert "except asyncio.CancelledError:\n                outputs_queue.put_nowait(EngineDeadError())" in client
+    assert 'logger.exception("AsyncLLM output_handler failed.")' in inspect.getsource(
+        async_llm.AsyncLLM._run_output_handler)
+
+    async def run():
+        engine = type("E", (), {})()
+        engine.output_handler = asyncio.create_task(asyncio.sleep(60))
+        assert V.cancel_output_handler(engine) and not V.cancel_output_handler(type("N", (), {})())
+        with pytest.raises(asyncio.CancelledError):
+            await engine.output_handler
+        assert not V.cancel_output_handler(engine) and not V.cancel_output_handler(None)
+
+    asyncio.run(run())
+
+
 def test_pinned_vllm_version_and_seams_exist(simulated):
     from importlib import metadata
 
