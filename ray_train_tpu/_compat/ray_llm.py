@@ -61,7 +61,7 @@ from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
 __all__ = [
-    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
+    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "available_tpus_per_node", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
     "build_openai_app", "build_processor", "engine_stage", "place_engines", "use_placement_group",
     "vLLMEngineProcessorConfig", "vLLMEngineStageUDF",
 ]
@@ -123,6 +123,14 @@ class _ReservedTPU(TPUAccelerator):
         release, self._release = self._release, None
         if release is not None:
             release()
+
+
+def available_tpus_per_node() -> dict:
+    """Free TPU of every node, by node id (Ray's ``available_resources_per_node``,
+    private; what its own sub-slice search reads)."""
+    from ray._private.state import available_resources_per_node
+
+    return {node: res.get("TPU", 0) for node, res in available_resources_per_node().items()}
 
 
 def use_placement_group(llm_config: Any, placement_group: Any, release: Callable[[], None]) -> None:

@@ -49,9 +49,9 @@ def _pinned_group(selectors: list, name: str):
 
 def _try_part_of_host(spec: SubsliceServeSpec, name: str):
     import ray
-    from ray._private.state import available_resources_per_node
 
-    rooms = host_rooms(ray.nodes(), available_resources_per_node(), slice_name_key=C.LABEL_TPU_SLICE_NAME,
+    free = {node: {"TPU": tpus} for node, tpus in R.available_tpus_per_node().items()}
+    rooms = host_rooms(ray.nodes(), free, slice_name_key=C.LABEL_TPU_SLICE_NAME,
                        worker_id_key=C.LABEL_TPU_WORKER_ID, accelerator_key=C.LABEL_ACCELERATOR_TYPE)
     host = pick_host(rooms, spec.engine.num_devices, spec.accelerator_type)
     if host is None:

@@ -387,11 +387,12 @@ def sub_app(sim, model_dir):
     """One app on one 2x2x2 slice: one TP 4 replica on a one-host 2x2x1 sub-slice
     (Ray's SubslicePlacementGroup) and four one-chip replicas on the other host.
     The other slice is held meanwhile, so the app has exactly one slice to fill.
-    The TP 4 deployment goes first: Ray's sub-slice discovery needs its slice
-    idle once (docs/serving.md)."""
+    Ray discovers the slice's sub-slices first (its discovery needs the slice idle
+    once; docs/serving.md), through the same function the replicas use."""
     from ray import serve
     from ray.util.tpu import SlicePlacementGroup
 
+    from ray_train_tpu.rl.slices import reserve_subslice
     from ray_train_tpu.serve import build_llm_config, build_openai_app
 
     _wait_for("the whole-slice app's slices released", lambda: not [
@@ -399,6 +400,10 @@ def sub_app(sim, model_dir):
     other = SlicePlacementGroup(topology=TOPOLOGY, accelerator_version=ACCEL, resources_per_bundle={"TPU": 1})
     ray.get(other.placement_group.ready(), timeout=60)
     held = set(ray.util.placement_group_table(other.placement_group)["bundles_to_node_id"].values())
+    host = Topology.parse("2x2x1", ACCEL)
+    warm = reserve_subslice(host, resources_per_bundle={"TPU": 4}, name="discover", simulated=True)
+    ray.get(warm.placement_group.ready(), timeout=60)
+    warm.shutdown()
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     tp4 = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id="tiny8-tp4", engine_shape="2x2x1", num_replicas=1,
@@ -406,7 +411,6 @@ def sub_app(sim, model_dir):
     chips = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id="tiny8-chip", engine_shape="1x1x1", num_replicas=4,
                              engine_kwargs=SUB_ENGINE)
     t0 = time.monotonic()
-    serve.run(build_openai_app([tp4]), name=SUB_APP, route_prefix="/")
     serve.run(build_openai_app([tp4, chips]), name=SUB_APP, route_prefix="/")
     print(f"sub-slice app up in {time.monotonic() - t0:.0f} s")
     try:

@@ -149,6 +149,13 @@ def test_pinned_ray_llm_seams_exist(simulated):
     assert {"placement_group", "run_init_node"} <= fields
     assert "self.llm_config" in inspect.getsource(R.CallbackBase.__init__)
     assert inspect.iscoroutinefunction(R.OpenAiIngress._get_model_id)
+    # Replicas on sub-slices: the engine config's backend is a private attribute, the one
+    # its get_or_create_pg asks; free TPU per node as Ray's own sub-slice search reads it.
+    from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
+
+    assert "_accelerator" in VLLMEngineConfig.__private_attributes__
+    assert "self.accelerator.create_placement_group(" in inspect.getsource(VLLMEngineConfig.get_or_create_pg)
+    assert "available_resources_per_node()" in inspect.getsource(ray.util.tpu.subslice_placement_group)
     # Ray Data LLM: the engine stage by class name, its UDF's constructor, and the
     # remote-args hook Ray Data calls per engine actor (num_cpus kept when given).
     from ray.llm._internal.batch.processor.base import Processor
