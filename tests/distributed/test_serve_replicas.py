@@ -249,13 +249,12 @@ def _engine_logs() -> dict:
     import glob
 
     logs_dir = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
-    out = {}
-    for path in glob.glob(os.path.join(logs_dir, "worker-*")):
+    by_worker: dict = {}
+    for path in glob.glob(os.path.join(logs_dir, "worker-*")):  # .out and .err of one worker process
         with open(path, errors="replace") as f:
-            text = f.read()
-        if "SliceEngineUDF" in text:
-            out[os.path.basename(path)] = text
-    return out
+            by_worker[os.path.splitext(os.path.basename(path))[0]] = by_worker.get(
+                os.path.splitext(os.path.basename(path))[0], "") + f.read()
+    return {name: text for name, text in by_worker.items() if "SliceEngineUDF" in text}
 
 
 def test_ctrl_c_stops_the_cli_and_its_cluster(served):
