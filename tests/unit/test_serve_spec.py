@@ -311,6 +311,10 @@ def test_doctests_of_the_pure_serving_modules_pass(name):
         (["--topology", "4x4", "--accelerator-type", "H100"], ["accelerator_type 'H100'"]),
         (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--tensor-parallel-size", "3"],
          ["tensor_parallel_size 3", "16 devices"]),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--engine-shape", "2x2x1"],
+         ["engine_shape '2x2x1'", "valid: 1x1 (1 devices"]),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--engine-shape", "2x2", "--tensor-parallel-size",
+          "8"], ["tensor_parallel_size 8 does not divide one 2x2 engine_shape's 4 devices"]),
     ],
 )
 def test_serve_cli_refuses_bad_slices_before_importing_ray(argv, words):
