@@ -172,10 +172,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         log_engine_metrics=args.log_engine_metrics, simulate=args.simulate, engine_shape=args.engine_shape, **sizes,
     )
     if args.print_config:
-        dumped = config.model_dump(mode="json", exclude={"callback_config"})
-        cb = config.callback_config
-        dumped["callback_config"] = {"callback_class": str(cb.callback_class), "callback_kwargs": cb.callback_kwargs}
-        json.dump(dumped, out, indent=1)
+        json.dump(config_json(config), out, indent=1)
         out.write("\n")
         return 0
     from ray_train_tpu.cli import running
@@ -197,6 +194,16 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
         ray.init(address=args.address or "auto")
         return _serve(config, args, out, address=ray.get_runtime_context().gcs_address, simulated=False)
+
+
+def config_json(config) -> dict:
+    """``--print-config``: the LLMConfig as JSON (classes by their import path)."""
+    dumped = config.model_dump(mode="json", exclude={"callback_config", "server_cls"})
+    if config.server_cls is not None:
+        dumped["server_cls"] = f"{config.server_cls.__module__}.{config.server_cls.__qualname__}"
+    cb = config.callback_config
+    dumped["callback_config"] = {"callback_class": str(cb.callback_class), "callback_kwargs": cb.callback_kwargs}
+    return dumped
 
 
 def _pieces_per_slice(spec: SliceServeSpec, engine_shape: str | None) -> int:

@@ -265,5 +265,9 @@ def test_replicas_on_sub_slices_reserve_their_piece_themselves(model_dir):
                             autoscaling_config={"min_replicas": 1, "max_replicas": 4})
     assert host.engine_kwargs["tensor_parallel_size"] == 4 and "num_replicas" not in host.deployment_config
     assert host.runtime_env["env_vars"]["TORCH_TPU_TOPOLOGY"] == "2,2,1"  # the engine's own piece
+    from ray_train_tpu.serve.cli import config_json
+
+    dumped = json.loads(json.dumps(config_json(config)))  # serve --print-config
+    assert dumped["server_cls"] == "ray_train_tpu.serve._subslice.SubsliceLLMServer"
     whole = build_llm_config(model_dir, "2x2x2", "v4", engine_shape="2x2x2", simulate=True)
     assert whole.server_cls is None and whole.engine_kwargs["tensor_parallel_size"] == 8  # the whole-slice path
