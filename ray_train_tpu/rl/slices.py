@@ -134,7 +134,8 @@ def reserve_halves(topology: Topology, *, simulated: bool, timeout_s: float = 12
 def reserve_subslice(sub: Topology, *, resources_per_bundle: dict, name: str, simulated: bool):
     """Ray's `SubslicePlacementGroup` of shape `sub` (one bundle per host of an
     ICI-connected part of a larger slice, chosen by Ray from the chips'
-    coordinates; on simulated hosts, from `simulated_chip_coords`). Raises
+    coordinates; on simulated hosts, from `simulated_chip_coords`; a host whose
+    chips are all taken is seen as busy: `zero_filled_availability`). Raises
     Ray's RuntimeError when no such part is free, ValueError when no slice of
     the cluster has one. Does not wait for the bundles (``placement_group.ready()``).
     The RL trainer's half and serving replicas on sub-slices
@@ -146,7 +147,7 @@ def reserve_subslice(sub: Topology, *, resources_per_bundle: dict, name: str, si
     from ray_train_tpu._compat import ray_train as compat_ray
 
     discovery = compat_ray.simulated_subslice_discovery(simulated_chip_coords) if simulated else contextlib.nullcontext()
-    with discovery:
+    with discovery, compat_ray.zero_filled_availability():
         return subslice_placement_group(sub.name, sub.generation.pod_prefix, resources_per_bundle=resources_per_bundle,
                                         name=name)
 

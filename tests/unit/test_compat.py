@@ -348,6 +348,17 @@ def test_ray_subslice_discovery_seam_exists():
     with compat_ray.simulated_subslice_discovery(lambda: [("h", 0, [0, 0])]):
         assert ray_tpu._discover_tpu_node_coords.__name__ == "discover"
     assert ray_tpu._discover_tpu_node_coords.__name__ == "_discover_tpu_node_coords"
+    # Ray reads free chips with a default of "all free", and imports the reader at call time.
+    search = inspect.getsource(ray_tpu.subslice_placement_group)
+    assert "from ray._private.state import available_resources_per_node" in search
+    assert '.get("TPU", total)' in inspect.getsource(ray_tpu._find_undiscovered_idle_slice)
+    assert '.get("TPU", total_tpus)' in inspect.getsource(ray_tpu._find_available_subslice)
+    import ray._private.state as ray_state
+
+    original = ray_state.available_resources_per_node
+    with compat_ray.zero_filled_availability():
+        assert ray_state.available_resources_per_node is not original
+    assert ray_state.available_resources_per_node is original
 
 
 def test_elastic_preemption_and_hang_seams_exist():
