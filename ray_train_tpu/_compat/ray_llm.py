@@ -12,6 +12,11 @@ Serving (Ray Serve LLM):
   ``HTTPException``, which FastAPI answers with ``{"detail": ...}``).
 - `TELEMETRY_ACTOR_CLASS`: Ray's detached usage-telemetry actor, which outlives
   every app and batch job by design.
+- `LLMServer` (public, ``ray.serve.llm.deployment``; ``LLMConfig.server_cls``
+  names a subclass) and `use_placement_group`: a replica that reserved its own
+  placement group (a sub-slice) hands it to Ray Serve LLM, whose vLLM engine
+  config otherwise asks its TPU backend for a whole slice
+  (``VLLMEngineConfig._accelerator``, ``TPUAccelerator.create_placement_group``).
 
 Batch inference (Ray Data LLM, ``ray.data.llm.build_processor``):
 
@@ -51,12 +56,14 @@ from ray.llm._internal.batch.stages.vllm_engine_stage import (  # noqa: E402
 from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: E402
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException  # noqa: E402
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress  # noqa: E402
+from ray.llm._internal.serve.core.configs.accelerators import TPUAccelerator  # noqa: E402
 from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
+from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
 __all__ = [
-    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "LLMConfig", "OpenAiErrorsIngress",
-    "build_openai_app", "build_processor", "engine_stage", "place_engines", "vLLMEngineProcessorConfig",
-    "vLLMEngineStageUDF",
+    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "available_tpus_per_node", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
+    "build_openai_app", "build_processor", "engine_stage", "place_engines", "use_placement_group",
+    "vLLMEngineProcessorConfig", "vLLMEngineStageUDF",
 ]
 
 TELEMETRY_ACTOR_CLASS = "TelemetryAgent"
@@ -99,3 +106,38 @@ def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], di
     stage.fn_constructor_kwargs.update(udf_kwargs)
     stage.map_batches_kwargs["ray_remote_args_fn"] = remote_args_fn
     stage.map_batches_kwargs["num_cpus"] = 0
+
+
+class _ReservedTPU(TPUAccelerator):
+    """Ray Serve LLM's TPU backend, handing out a placement group that the
+    replica already reserved instead of reserving a whole slice."""
+
+    def __init__(self, config: Any, placement_group: Any, release: Callable[[], None]):
+        super().__init__(config)
+        self._reserved, self._release = placement_group, release
+
+    def create_placement_group(self, *, bundles, strategy, name, accelerator_type_str=None):
+        return self._reserved
+
+    def shutdown(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def available_tpus_per_node() -> dict:
+    """Free TPU of every node, by node id (Ray's ``available_resources_per_node``,
+    private; what its own sub-slice search reads)."""
+    from ray._private.state import available_resources_per_node
+
+    return {node: res.get("TPU", 0) for node, res in available_resources_per_node().items()}
+
+
+def use_placement_group(llm_config: Any, placement_group: Any, release: Callable[[], None]) -> None:
+    """Make the replica's vLLM engine (`llm_config`'s, in this process) run in
+    `placement_group`, which `release` gives back. Call before the engine starts
+    (``LLMServer.start``)."""
+    engine_config = llm_config.get_engine_config()  # cached on the LLMConfig
+    if not isinstance(engine_config.accelerator, TPUAccelerator):
+        raise TypeError(f"use_placement_group: the engine's accelerator is {engine_config.accelerator!r}, not TPU")
+    engine_config._accelerator = _ReservedTPU(engine_config.accelerator_config, placement_group, release)

@@ -356,6 +356,35 @@ def simulated_subslice_discovery(coords_fn: Callable[[], list]):
         ray_tpu._discover_tpu_node_coords = original
 
 
+# Ray 2.60's sub-slice search reads free chips from ``available_resources_per_node``
+# with ``.get("TPU", total)``, but the GCS leaves a resource whose availability is 0 out
+# of a node's entry: a host whose chips are all taken reads as idle, so that Ray can pick
+# a busy slice for discovery (and wait 100 s for its head) or a busy sub-slice (a group
+# that never becomes ready). Inside this, every node's entry names each of its resources,
+# 0 where none is free. Ray's own functions run unchanged.
+
+
+@contextlib.contextmanager
+def zero_filled_availability():
+    import ray._private.state as ray_state
+
+    original = ray_state.available_resources_per_node
+
+    def available_resources_per_node():
+        avail = original()
+        for node, total in ray_state.state.total_resources_per_node().items():
+            entry = avail.setdefault(node, {})
+            for name in total:
+                entry.setdefault(name, 0.0)
+        return avail
+
+    ray_state.available_resources_per_node = available_resources_per_node
+    try:
+        yield
+    finally:
+        ray_state.available_resources_per_node = original
+
+
 # --- elastic, preemption and hang detection (issue 26) -----------------------------
 
 

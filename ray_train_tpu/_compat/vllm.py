@@ -267,3 +267,24 @@ def _device(layer) -> "torch.device":
 def packed_modules(model) -> dict:
     """``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``: the model's fused modules."""
     return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
+# --- a clean engine shutdown logs no error (issue 33) ---------------------------------
+# vLLM 0.29's ``AsyncLLM.shutdown`` shuts the engine core client down first, which
+# cancels its output-queue task; that task answers its cancellation by queueing an
+# ``EngineDeadError`` (``core_client.AsyncMPClient``, ``process_outputs_socket``), which
+# the still running output handler reads and logs with its traceback ("AsyncLLM
+# output_handler failed.") before ``shutdown`` cancels the handler too. Cancelling
+# the handler first, as this does, lets the shutdown run without that error.
+
+
+def cancel_output_handler(engine: Any) -> bool:
+    """Cancel an ``AsyncLLM``'s output handler task (thread-safe; from its loop
+    or another thread) before its ``shutdown``; False if it has none running."""
+    from vllm.utils.async_utils import cancel_task_threadsafe
+
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done():
+        return False
+    cancel_task_threadsafe(handler)
+    return True

@@ -107,20 +107,11 @@ def half_topology(topology: Topology) -> Topology:
 def reserve_halves(topology: Topology, *, simulated: bool, timeout_s: float = 120.0
                    ) -> tuple[SliceReservation, SliceReservation]:
     """The trainer's half (Ray's `SubslicePlacementGroup`) and the engines' (the other hosts)."""
-    import contextlib
-
-    import ray
-    from ray.util.tpu import subslice_placement_group
-
-    from ray_train_tpu._compat import ray_train as compat_ray
-
     half = half_topology(topology)
     dph = topology.devices_per_host
-    discovery = compat_ray.simulated_subslice_discovery(simulated_chip_coords) if simulated else contextlib.nullcontext()
     try:
-        with discovery:
-            sub = subslice_placement_group(half.name, topology.generation.pod_prefix,
-                                           resources_per_bundle={"TPU": dph, "CPU": dph}, name="grpo-trainer-half")
+        sub = reserve_subslice(half, resources_per_bundle={"TPU": dph, "CPU": dph}, name="grpo-trainer-half",
+                               simulated=simulated)
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(f"one_slice: Ray found no free {half.name} half of a {topology} slice: {e}") from e
     _wait(sub, sub.placement_group, timeout_s, f"the trainer's {half.name} half of {topology}")
@@ -138,6 +129,27 @@ def reserve_halves(topology: Topology, *, simulated: bool, timeout_s: float = 12
         sub.shutdown()
         raise
     return trainer, rollout
+
+
+def reserve_subslice(sub: Topology, *, resources_per_bundle: dict, name: str, simulated: bool):
+    """Ray's `SubslicePlacementGroup` of shape `sub` (one bundle per host of an
+    ICI-connected part of a larger slice, chosen by Ray from the chips'
+    coordinates; on simulated hosts, from `simulated_chip_coords`; a host whose
+    chips are all taken is seen as busy: `zero_filled_availability`). Raises
+    Ray's RuntimeError when no such part is free, ValueError when no slice of
+    the cluster has one. Does not wait for the bundles (``placement_group.ready()``).
+    The RL trainer's half and serving replicas on sub-slices
+    (`ray_train_tpu.serve._subslice`) both reserve through it."""
+    import contextlib
+
+    from ray.util.tpu import subslice_placement_group
+
+    from ray_train_tpu._compat import ray_train as compat_ray
+
+    discovery = compat_ray.simulated_subslice_discovery(simulated_chip_coords) if simulated else contextlib.nullcontext()
+    with discovery, compat_ray.zero_filled_availability():
+        return subslice_placement_group(sub.name, sub.generation.pod_prefix, resources_per_bundle=resources_per_bundle,
+                                        name=name)
 
 
 def _half_env(half: Topology, name: str, devices: list[DevicePlace], hosts: list[int]) -> dict:

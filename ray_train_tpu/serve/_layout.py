@@ -55,9 +55,11 @@ def wait_for_slice(pg, topo: Topology) -> None:
             logger.info("engine waits for a free %s %s slice (%d s)", topo.accelerator_type, topo, waited)
 
 
-def lay_out(pg, topo: Topology) -> SlicePlan:
+def lay_out(pg, topo: Topology, *, sub_slice: bool = False) -> SlicePlan:
     """Wait for `pg`, plan its bundles, and set the engine's environment (see
-    the module doc). Blocking: from async code, run it in a thread."""
+    the module doc). Blocking: from async code, run it in a thread.
+    ``sub_slice``: `topo` is the engine's piece of a larger slice
+    (`ray_train_tpu.serve.subslice`), whose topology the hosts' labels name."""
     wait_for_slice(pg, topo)
     table = ray.util.placement_group_table(pg)
     nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
@@ -70,19 +72,25 @@ def lay_out(pg, topo: Topology) -> SlicePlan:
         ).remote()
         for i in range(len(table["bundles"]))
     ]
-    places = []
+    places, parents = [], set()
     for i, (node_id, chips) in enumerate(ray.get(refs)):
         node = nodes.get(node_id, {})
         labels = node.get("Labels") or node.get("labels") or {}
         if len(chips) != 1:
             raise RuntimeError(f"bundle {i} of the engine's placement group holds TPU ids {chips}, not one chip")
         wid = labels.get(C.LABEL_TPU_WORKER_ID)
+        parents.add(labels.get(C.LABEL_TPU_TOPOLOGY))
         places.append(BundlePlace(
             index=i, node_id=node_id, node_ip=node.get("NodeManagerAddress", ""),
             slice_name=labels.get(C.LABEL_TPU_SLICE_NAME),
             worker_id=None if wid is None else int(wid), chip=int(chips[0]),
         ))
-    plan = plan_slice(topo, places, xprof_session_id=str(time.time_ns()))
+    parent = None
+    if sub_slice:
+        if len(parents) != 1 or None in parents:
+            raise RuntimeError(f"the engine's {topo.name} sub-slice spans hosts of slice topologies {sorted(map(str, parents))}")
+        parent = Topology.parse(parents.pop(), topo.accelerator_type)
+    plan = plan_slice(topo, places, xprof_session_id=str(time.time_ns()), parent=parent)
     _environ.update({
         C.VLLM_RAY_BUNDLE_INDICES: ",".join(map(str, plan.bundle_indices)),
         C.RAY_TRAIN_TPU_SERVE_SLICE: plan.to_json(),

@@ -42,6 +42,10 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "
 _WHERE = "BatchConfig"
 # How long the cluster check waits for intact slices to show as idle.
 IDLE_SETTLE_S = 5.0
+# After the last row: how long the engines get to shut down by themselves (Ray
+# Data drops its actors once the dataset is done) before their slices are taken
+# back, which would kill their vLLM workers under them (an EngineDeadError).
+ENGINE_EXIT_WAIT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,8 +156,9 @@ class SliceBatchProcessor:
     def __enter__(self) -> "SliceBatchProcessor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        # After a clean run the engines shut down first; after an error, at once.
+        self.release(wait_s=ENGINE_EXIT_WAIT_S if exc_type is None else 0.0)
 
     def __call__(self, dataset: Any) -> Any:
         columns = _columns(dataset)
@@ -167,9 +172,10 @@ class SliceBatchProcessor:
             self._processor = self._build(columns)
         return self._processor(dataset)
 
-    def release(self) -> int:
-        """Release every slice this processor reserved; returns how many."""
-        return release(self.job)
+    def release(self, wait_s: float = 0.0) -> int:
+        """Release every slice this processor reserved; returns how many. Waits
+        up to `wait_s` seconds for the engines in them to exit first."""
+        return release(self.job, wait_s=wait_s)
 
     def _build(self, columns: list) -> Any:
         import ray
@@ -264,13 +270,39 @@ def reservations(job: str) -> int:
         return len(_RESERVATIONS.get(job, []))
 
 
-def release(job: str) -> int:
-    """Release every slice reserved for `job` (its engines die with them)."""
+def release(job: str, wait_s: float = 0.0) -> int:
+    """Release every slice reserved for `job` (its engines die with them), once
+    no actor runs in them any more or `wait_s` seconds have passed."""
     with _LOCK:
         handles = _RESERVATIONS.pop(job, [])
+    if handles and wait_s > 0:
+        _wait_until_empty([h.placement_group for h in handles], wait_s)
     for handle in handles:
         handle.shutdown()
     return len(handles)
+
+
+def _wait_until_empty(pgs: list, wait_s: float) -> None:
+    """Until no actor of the cluster runs in `pgs` (Ray's state API), at most `wait_s` s."""
+    from ray.util.state import list_actors
+
+    ids = {pg.id.hex() for pg in pgs}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, detail=True,
+                                            raise_on_missing_output=False)
+                     if a.placement_group_id in ids]
+        except Exception as e:  # noqa: BLE001 - no state API (no dashboard): release at once
+            logger.debug("cannot list the engines' actors (%s); releasing their slices now", e)
+            return
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            logger.warning("%d engine actor(s) still run %.0f s after the last row; releasing their slices anyway",
+                           len(alive), wait_s)
+            return
+        time.sleep(0.5)
 
 
 def _output_row(columns: list, row: dict) -> dict:

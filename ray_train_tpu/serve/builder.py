@@ -9,6 +9,8 @@ from typing import Any, Mapping, Optional
 from ray_train_tpu.serve.engine import slice_engine, with_env
 
 CALLBACK_CLASS = "ray_train_tpu.serve._callback.SliceLayoutCallback"
+# A replica on a sub-slice reserves it itself (``LLMConfig.server_cls``).
+SUBSLICE_SERVER_CLASS = "ray_train_tpu.serve._subslice.SubsliceLLMServer"
 # Ray Serve LLM's own default target is 1e9 ongoing requests per replica, which
 # never scales on load; a replica that owns a slice is asked to carry this many.
 DEFAULT_TARGET_ONGOING_REQUESTS = 16
@@ -30,9 +32,11 @@ def build_llm_config(
     lora_config: Optional[Mapping[str, Any]] = None,
     log_engine_metrics: bool = False,
     simulate: Optional[bool] = None,
+    engine_shape: Optional[str] = None,
 ) -> Any:
     """A ``ray.serve.llm.LLMConfig`` for Ray Serve LLM's vLLM engine whose every
-    replica owns one whole slice, one vLLM worker per device.
+    replica owns one whole slice, or one `engine_shape` piece of one, one vLLM
+    worker per device.
 
     Checked before anything starts: the slice (accelerator type, topology),
     TP x PP against the slice's devices and the model's heads and layers
@@ -44,10 +48,12 @@ def build_llm_config(
         model: Hugging Face model directory (as every TPU host sees it) or id.
         topology, accelerator_type: each replica's slice, e.g. ``"4x4"``, ``"TPU-V6E"``.
         model_id: the name clients send (default: the directory's name).
-        num_replicas: replicas, one slice each (default 1; not with autoscaling).
+        num_replicas: replicas, one slice (or one `engine_shape` piece) each
+            (default 1, or with `engine_shape` as many pieces as one slice
+            holds; not with autoscaling).
         autoscaling_config: Ray Serve's ``autoscaling_config``; ``min_replicas``
-            and ``max_replicas`` count slices. A replica that cannot get a
-            whole free slice waits for one; scaling down releases its slice.
+            and ``max_replicas`` count slices (or pieces). A replica that cannot
+            get a whole free slice (piece) waits for one; scaling down releases it.
             ``target_ongoing_requests`` defaults to 16 per replica (Ray Serve
             LLM's own default never scales on load).
         tensor_parallel_size, pipeline_parallel_size: default: sized to the slice.
@@ -59,22 +65,36 @@ def build_llm_config(
         log_engine_metrics: export vLLM's engine metrics through Ray's metrics.
         simulate: the simulated TPU platform (vLLM's CPU kernels, gloo) instead of
             vllm-torchtpu; default: ``RAY_TRAIN_TPU_SIMULATE=1`` in this process.
+        engine_shape: each replica's piece of a `topology` slice, so that
+            several replicas fill one slice (``serve --plan`` prints the
+            smallest that holds the model): ``"1x1x1"`` (one v4 chip),
+            ``"2x2x1"`` (one v4 host, Ray's ``SubslicePlacementGroup``), ...
+            (`ray_train_tpu.serve.subslice`). Default: the whole slice.
 
     Example:
         >>> cfg = build_llm_config("/models/Qwen2.5-0.5B-Instruct", "4x4", "TPU-V6E",  # doctest: +SKIP
         ...                        autoscaling_config={"min_replicas": 1, "max_replicas": 4})
         >>> serve.run(build_openai_app([cfg]))  # doctest: +SKIP
     """
-    deployment = _deployment_config(num_replicas, autoscaling_config, deployment_config)
     kwargs = dict(engine_kwargs or {})
     if lora_config is not None:
         kwargs.setdefault("enable_lora", True)
     engine = slice_engine(model, topology, accelerator_type, tensor_parallel_size=tensor_parallel_size,
-                          pipeline_parallel_size=pipeline_parallel_size, engine_kwargs=kwargs, simulate=simulate)
+                          pipeline_parallel_size=pipeline_parallel_size, engine_kwargs=kwargs, simulate=simulate,
+                          engine_shape=engine_shape)
     spec = engine.spec
+    sub = getattr(spec, "engine_shape", None)
+    if sub is not None and num_replicas is None and autoscaling_config is None \
+            and "num_replicas" not in (deployment_config or {}) and "autoscaling_config" not in (deployment_config or {}):
+        num_replicas = spec.shape.count  # fill one slice
+    deployment = _deployment_config(num_replicas, autoscaling_config, deployment_config)
     from ray_train_tpu._compat import ray_llm as R
 
     extra = {} if lora_config is None else {"lora_config": dict(lora_config)}
+    callback_kwargs = {"topology": spec.topology, "accelerator_type": spec.accelerator_type}
+    if sub is not None:
+        extra["server_cls"] = SUBSLICE_SERVER_CLASS
+        callback_kwargs["engine_shape"] = sub
     return R.LLMConfig(
         model_loading_config={"model_id": model_id or _default_id(model), "model_source": model},
         accelerator_type=spec.accelerator_type,
@@ -85,7 +105,7 @@ def build_llm_config(
         runtime_env=with_env(runtime_env, engine.env),
         callback_config={
             "callback_class": CALLBACK_CLASS,
-            "callback_kwargs": {"topology": spec.topology, "accelerator_type": spec.accelerator_type},
+            "callback_kwargs": callback_kwargs,
         },
         log_engine_metrics=bool(log_engine_metrics),
         **extra,
@@ -106,7 +126,7 @@ def _deployment_config(num_replicas, autoscaling_config, deployment_config) -> d
     if autoscaling is None:
         replicas = 1 if replicas is None else replicas
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-            raise ValueError(f"num_replicas {replicas!r} must be an integer >= 1 (one slice each)")
+            raise ValueError(f"num_replicas {replicas!r} must be an integer >= 1 (one slice, or engine_shape piece, each)")
         return {**out, "num_replicas": replicas}
     auto = dict(autoscaling)
     lo, hi = auto.get("min_replicas", 1), auto.get("max_replicas")

@@ -29,7 +29,13 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--topology", required=True, help='slice of each replica, e.g. "4x4"')
     p.add_argument("--accelerator-type", required=True, help="e.g. TPU-V6E")
     p.add_argument("--model-id", help="the name clients send as 'model' (default: from --model)")
-    p.add_argument("--num-replicas", type=int, help="replicas, one whole slice each (default 1)")
+    p.add_argument("--num-replicas", type=int,
+                   help="replicas, one whole slice (or --engine-shape piece) each (default 1, or one slice's worth "
+                        "of pieces)")
+    p.add_argument("--engine-shape",
+                   help='each replica\'s piece of a --topology slice, e.g. "1x1x1" (one v4 chip), "2x2" (one v6e '
+                        'host), so that several replicas fill one slice; --plan prints the one the model needs '
+                        "(default: the whole slice)")
     p.add_argument("--autoscaling-config",
                    help="Ray Serve's autoscaling_config as JSON, min_replicas/max_replicas in slices, "
                         'e.g. \'{"min_replicas": 1, "max_replicas": 4}\' (not with --num-replicas)')
@@ -113,7 +119,12 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
     if plan.whole_slice:
         out.write(f"{command} runs this layout: one engine per {topo.name} slice\n")
         return 0
-    # Serving replicas on sub-slices are not built yet: a replica owns a whole slice.
+    if command == "serve":
+        n = plan.engines_per_slice
+        out.write(f"serve runs this layout with --engine-shape {plan.engine_shape} --num-replicas {n} "
+                  f"({n} replicas fill one {topo.name} slice; or autoscale in {plan.engine_shape} pieces)\n")
+        return 0
+    # Batch engines on sub-slices are not built yet: a batch engine owns a whole slice.
     try:
         whole = SliceServeSpec(accelerator_type=topo.accelerator_type, topology=topo.name,
                                model=dataclasses.replace(ModelShape.from_config(config, source=args.model),
@@ -122,12 +133,10 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
     except ValueError as e:
         today = f"no layout ({e})"
     out.write(f"{command} today runs one engine per whole slice ({today} on {topo.name}); engines on sub-slices "
-              "are planned, not served yet.\n")
+              "are planned, not run by batch yet.\n")
     if plan.engine_shape in topo.generation.topologies:
-        n = plan.engines_per_slice
-        count = (f"--num-replicas {n} (or autoscale up to {n})" if command == "serve" else f"--num-slices {n}")
         out.write(f"to run engines of this size now, use {plan.engine_shape} slices: --topology "
-                  f"{plan.engine_shape} {count}\n")
+                  f"{plan.engine_shape} --num-slices {plan.engines_per_slice}\n")
     return 0
 
 
@@ -137,7 +146,14 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     refuse_plan_only_flags(args)
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     # Validate the slice before importing anything heavy or starting anything.
-    spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)
+    if args.engine_shape:
+        from ray_train_tpu.serve.subslice import SubsliceServeSpec
+
+        SubsliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology,
+                          engine_shape=args.engine_shape, **sizes)
+        spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology)
+    else:
+        spec = SliceServeSpec(accelerator_type=args.accelerator_type, topology=args.topology, **sizes)
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1..65535")
     engine_kwargs = _json_object("--engine-kwargs", args.engine_kwargs)
@@ -153,13 +169,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     config = build_llm_config(
         source, spec.topology, spec.accelerator_type, model_id=args.model_id or default_id,
         num_replicas=args.num_replicas, autoscaling_config=autoscaling, engine_kwargs=engine_kwargs,
-        log_engine_metrics=args.log_engine_metrics, simulate=args.simulate, **sizes,
+        log_engine_metrics=args.log_engine_metrics, simulate=args.simulate, engine_shape=args.engine_shape, **sizes,
     )
     if args.print_config:
-        dumped = config.model_dump(mode="json", exclude={"callback_config"})
-        cb = config.callback_config
-        dumped["callback_config"] = {"callback_class": str(cb.callback_class), "callback_kwargs": cb.callback_kwargs}
-        json.dump(dumped, out, indent=1)
+        json.dump(config_json(config), out, indent=1)
         out.write("\n")
         return 0
     from ray_train_tpu.cli import running
@@ -169,7 +182,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             from ray_train_tpu.testing import simulated_tpu_cluster
 
             deployment = config.deployment_config
-            slices = deployment.get("num_replicas") or deployment["autoscaling_config"]["max_replicas"]
+            replicas = deployment.get("num_replicas") or deployment["autoscaling_config"]["max_replicas"]
+            per_slice = _pieces_per_slice(spec, args.engine_shape)
+            slices = -(-replicas // per_slice)
             # Per host: its chips' bundles, plus a replica and the ingress.
             cpus = spec.parsed.devices_per_host + 2
             with simulated_tpu_cluster(spec.topology, spec.accelerator_type, num_slices=slices,
@@ -179,6 +194,25 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
         ray.init(address=args.address or "auto")
         return _serve(config, args, out, address=ray.get_runtime_context().gcs_address, simulated=False)
+
+
+def config_json(config) -> dict:
+    """``--print-config``: the LLMConfig as JSON (classes by their import path)."""
+    dumped = config.model_dump(mode="json", exclude={"callback_config", "server_cls"})
+    if config.server_cls is not None:
+        dumped["server_cls"] = f"{config.server_cls.__module__}.{config.server_cls.__qualname__}"
+    cb = config.callback_config
+    dumped["callback_config"] = {"callback_class": str(cb.callback_class), "callback_kwargs": cb.callback_kwargs}
+    return dumped
+
+
+def _pieces_per_slice(spec: SliceServeSpec, engine_shape: str | None) -> int:
+    if not engine_shape:
+        return 1
+    from ray_train_tpu.serve.subslice import SubsliceServeSpec
+
+    return SubsliceServeSpec(accelerator_type=spec.accelerator_type, topology=spec.topology,
+                             engine_shape=engine_shape).shape.count
 
 
 def _serve(config, args, out: TextIO, address: str, simulated: bool) -> int:

@@ -43,7 +43,7 @@ SIMULATED_ENV = {
 class SliceEngine:
     """What a vLLM engine on one slice runs with."""
 
-    spec: SliceServeSpec
+    spec: SliceServeSpec  # or, for an engine on a sub-slice, a `subslice.SubsliceServeSpec`
     engine_kwargs: dict  # vLLM engine arguments, TP/PP and the Ray executor included
     env: dict  # environment of the engine and its workers
     simulated: bool
@@ -52,7 +52,8 @@ class SliceEngine:
     def strategy(self) -> str:
         """Placement strategy of the slice's bundles: a one-host slice has no
         slice-name label to pin them, so they are packed onto one host."""
-        return "STRICT_PACK" if self.spec.parsed.num_hosts == 1 else "SPREAD"
+        topo = self.spec.engine if hasattr(self.spec, "engine_shape") else self.spec.parsed
+        return "STRICT_PACK" if topo.num_hosts == 1 else "SPREAD"
 
 
 def engine_env(*, simulated: bool, ray_executor: bool, offline: bool = False,
@@ -94,9 +95,12 @@ def slice_engine(
     pipeline_parallel_size: Optional[int] = None,
     engine_kwargs: Optional[Mapping[str, Any]] = None,
     simulate: Optional[bool] = None,
+    engine_shape: Optional[str] = None,
 ) -> SliceEngine:
     """Check and complete one slice engine's configuration (ValueError naming
-    the field, value, rule and fix when it cannot run)."""
+    the field, value, rule and fix when it cannot run). ``engine_shape``: the
+    engine runs on that piece of a `topology` slice (`subslice`), not on a
+    whole one (the slice's own topology is a whole one)."""
     kwargs = dict(engine_kwargs or {})
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size)):
@@ -109,17 +113,24 @@ def slice_engine(
             f"engine_kwargs distributed_executor_backend {kwargs['distributed_executor_backend']!r}: "
             "an engine's workers span the slice's hosts, which needs vLLM's Ray executor ('ray'); remove it"
         )
-    spec = SliceServeSpec(
-        accelerator_type=accelerator_type, topology=topology,
-        tensor_parallel_size=kwargs.get("tensor_parallel_size"),
-        pipeline_parallel_size=kwargs.get("pipeline_parallel_size"),
-        model=model_shape(model),
-    )
+    sizes = dict(tensor_parallel_size=kwargs.get("tensor_parallel_size"),
+                 pipeline_parallel_size=kwargs.get("pipeline_parallel_size"))
+    spec, engine_topo = None, None
+    if engine_shape is not None:
+        from ray_train_tpu.serve.subslice import SubsliceServeSpec
+
+        sub = SubsliceServeSpec(accelerator_type=accelerator_type, topology=topology, engine_shape=engine_shape,
+                                model=model_shape(model), **sizes)
+        if not sub.whole_slice:
+            spec, engine_topo = sub, sub.engine
+    if spec is None:
+        spec = SliceServeSpec(accelerator_type=accelerator_type, topology=topology, model=model_shape(model), **sizes)
+        engine_topo = spec.parsed
     kwargs.update(tensor_parallel_size=spec.tensor_parallel_size,
                   pipeline_parallel_size=spec.pipeline_parallel_size, distributed_executor_backend="ray")
     simulated = simulate_default(simulate)
     env = engine_env(simulated=simulated, ray_executor=True, offline=os.path.isdir(model),
-                     torch_tpu_topology=spec.parsed.torch_tpu_topology)
+                     torch_tpu_topology=engine_topo.torch_tpu_topology)
     if simulated:
         problem = V.eager_pipeline_problem(kwargs, spec.pipeline_parallel_size)
         if problem:

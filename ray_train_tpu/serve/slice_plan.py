@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Mapping, Sequence
 
 from ray_train_tpu import constants as C
@@ -58,18 +59,35 @@ class SlicePlan:
     hosts: tuple[str, ...]  # node IPs in TPU worker id order
     bundle_indices: tuple[int, ...]  # by rank
     xprof_session_id: str
+    # An engine on a sub-slice of a larger slice (`engine_topology`): the
+    # parent slice's TPU worker ids of its hosts (engine host w is parent worker
+    # ``worker_ids[w]``) and, on part of one host, Ray's chip of each rank.
+    # Empty: the engine owns the whole slice (host w is worker w, rank r chip r % devices per host).
+    worker_ids: tuple[int, ...] = ()
+    chips: tuple[int, ...] = ()
 
     @property
     def parsed(self) -> Topology:
-        return Topology.parse(self.topology, self.accelerator_type)
+        return engine_topology(self.topology, self.accelerator_type)
 
     def place(self, rank: int) -> tuple[int, int]:
-        """(TPU worker id, chip) of `rank`."""
-        return divmod(rank, self.parsed.devices_per_host)
+        """(TPU worker id, chip) of `rank`, as its host knows them (the parent
+        slice's worker id and Ray's chip for an engine on a sub-slice)."""
+        w, c = divmod(rank, self.parsed.devices_per_host)
+        return (self.worker_ids[w] if self.worker_ids else w), (self.chips[rank] if self.chips else c)
 
     def worker_env(self, rank: int) -> dict[str, str]:
-        """The TorchTPU environment of worker `rank` (`launch_env`)."""
-        return launch_env(self.parsed, list(self.hosts), rank=rank, xprof_session_id=self.xprof_session_id)
+        """The TorchTPU environment of worker `rank` (`launch_env` of the
+        engine's own slice). An engine on part of one host has its own
+        slice-builder and rendezvous ports (the base ports plus its first chip)
+        and sees its own chip, so that the engines sharing a host never meet."""
+        if not self.chips:
+            return launch_env(self.parsed, list(self.hosts), rank=rank, xprof_session_id=self.xprof_session_id)
+        first = min(self.chips)
+        env = launch_env(self.parsed, list(self.hosts), rank=rank, xprof_session_id=self.xprof_session_id,
+                         base_port=C.DEFAULT_TORCH_TPU_BASE_PORT + first, master_port=C.DEFAULT_MASTER_PORT + first)
+        env[C.TPU_VISIBLE_CHIPS] = str(self.chips[rank])
+        return env
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -77,31 +95,73 @@ class SlicePlan:
     @classmethod
     def from_json(cls, text: str) -> "SlicePlan":
         d = json.loads(text)
-        return cls(**{**d, "hosts": tuple(d["hosts"]), "bundle_indices": tuple(d["bundle_indices"])})
+        return cls(**{**d, **{k: tuple(d.get(k, ())) for k in ("hosts", "bundle_indices", "worker_ids", "chips")}})
 
 
-def plan_slice(topology: Topology, bundles: Sequence[BundlePlace], *, xprof_session_id: str) -> SlicePlan:
-    """Order the bundles of one replica's placement group by (TPU worker id,
-    chip). Raises RuntimeError unless they are exactly the slice's devices:
-    one slice, every host 0..N-1, every chip of each once."""
+def engine_topology(name: str, accelerator_type: str) -> Topology:
+    """The slice an engine owns: a slice shape of the generation
+    (`Topology.parse`), or part of one host (1, 2 or 4 chips, the chip bounds Ray
+    gives a process holding that many: ``1x1x1``, ``1x2x1``, ``2x2x1``; see
+    `layout_planner.engine_shapes`), which is no slice of its own on v4/v5p/v7x."""
+    try:
+        return Topology.parse(name, accelerator_type)
+    except ValueError:
+        from ray_train_tpu.topology import get_generation
+
+        gen = get_generation(accelerator_type)
+        text = str(name).lower()
+        dims = tuple(int(d) for d in text.split("x")) if re.fullmatch(r"\d+(x\d+){1,2}", text) else ()
+        bounds = dims + (1,) * (3 - len(dims))
+        if len(dims) != gen.num_dims or bounds not in _SUB_HOST_BOUNDS or _prod(bounds) > gen.max_single_host_chips:
+            raise
+        return Topology(generation=gen, name=name.lower(), bounds=bounds, host_bounds=bounds)
+
+
+# Chip bounds of an engine on part of one host, as Ray sets TPU_CHIPS_PER_HOST_BOUNDS
+# for a process that holds 1, 2 or 4 chips.
+_SUB_HOST_BOUNDS = {(1, 1, 1), (1, 2, 1), (2, 2, 1)}
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def plan_slice(topology: Topology, bundles: Sequence[BundlePlace], *, xprof_session_id: str,
+               parent: Topology | None = None) -> SlicePlan:
+    """Order the bundles of one engine's placement group by (TPU worker id,
+    chip). Raises RuntimeError unless they are exactly the engine's devices:
+    one slice, every host 0..N-1, every chip of each once. With `parent` (the
+    slice that `topology` is a sub-slice of): the hosts are any N hosts of one
+    parent slice (renumbered 0..N-1 in worker id order, as a sub-slice's own
+    slice), and on part of one host, any chips of it."""
     dph = topology.devices_per_host
     want = topology.num_devices
+    sub = parent is not None and parent.name != topology.name
+    part_of_host = sub and dph < parent.devices_per_host
     where = ", ".join(f"bundle {b.index}: {b.slice_name}/w{b.worker_id}/chip {b.chip}" for b in bundles)
     slices = {b.slice_name for b in bundles}
-    places = sorted((b.worker_id, b.chip) for b in bundles if b.worker_id is not None)
-    expected = [(w, c) for w in range(topology.num_hosts) for c in range(dph)]
-    if len(bundles) != want or len(slices) != 1 or None in slices or places != expected:
+    ids = sorted({b.worker_id for b in bundles if b.worker_id is not None}) if sub else list(range(topology.num_hosts))
+    local = {w: i for i, w in enumerate(ids)}
+    places = sorted((local.get(b.worker_id, -1), b.chip) for b in bundles if b.worker_id is not None)
+    chips_ok = (len({p for p in places}) == want) if part_of_host else (
+        places == [(w, c) for w in range(topology.num_hosts) for c in range(dph)])
+    if len(bundles) != want or len(slices) != 1 or None in slices or len(ids) != topology.num_hosts \
+            or len(places) != want or not chips_ok:
+        what = f"of one {parent} sub-slice" if sub else f"of one {topology}"
         raise RuntimeError(
-            f"the replica's placement group is not the {want} devices of one {topology} "
-            f"(one bundle per device, hosts by ray.io/tpu-worker-id 0..{topology.num_hosts - 1}, "
-            f"chips 0..{dph - 1} each): {where}"
+            f"the replica's placement group is not the {want} devices {what} "
+            f"(one bundle per device, hosts by ray.io/tpu-worker-id{'' if sub else f' 0..{topology.num_hosts - 1}'}, "
+            f"{'distinct chips' if part_of_host else f'chips 0..{dph - 1} each'}): {where}"
         )
     ordered = sorted(bundles, key=lambda b: (b.worker_id, b.chip))
     hosts = [ordered[w * dph].node_ip for w in range(topology.num_hosts)]
     for w in range(topology.num_hosts):
         ips = {b.node_ip for b in ordered[w * dph:(w + 1) * dph]}
         if len(ips) != 1:
-            raise RuntimeError(f"TPU worker id {w} of {slices.pop()} is on several nodes {sorted(ips)}: {where}")
+            raise RuntimeError(f"TPU worker id {ids[w]} of {slices.pop()} is on several nodes {sorted(ips)}: {where}")
     if len(set(hosts)) != len(hosts):
         raise RuntimeError(f"two TPU worker ids share a node address {hosts}: {where}")
     return SlicePlan(
@@ -111,6 +171,8 @@ def plan_slice(topology: Topology, bundles: Sequence[BundlePlace], *, xprof_sess
         hosts=tuple(hosts),
         bundle_indices=tuple(b.index for b in ordered),
         xprof_session_id=xprof_session_id,
+        worker_ids=tuple(ids) if sub else (),
+        chips=tuple(b.chip for b in ordered) if part_of_host else (),
     )
 
 
@@ -176,15 +238,17 @@ def slice_worker_env(plan: SlicePlan, rank: int, *, local_rank: int, chips: Sequ
         >>> slice_worker_env(plan, 2, local_rank=1, chips=[2], host_env=host, engine_env={}, simulated=True)
         Traceback (most recent call last):
         ...
-        RuntimeError: vLLM worker rank 2 has local rank 1 but holds chip 2 of its host; torch_tpu would open chip 1
+        RuntimeError: vLLM worker rank 2 has local rank 1 but holds chip 2 of its host; torch_tpu would open device 1
     """
     check_worker_place(plan, rank, worker_id=host_env.get(C.TPU_WORKER_ID), slice_name=host_env.get(C.TPU_NAME),
                        chips=chips)
-    chip = plan.place(rank)[1]
+    # The engine's own device index on the host (the chip itself, on a whole host).
+    chip = rank % plan.parsed.devices_per_host
     if int(local_rank) != chip:
+        held = f"chip {chip} of its host" if not plan.chips else f"device {chip} of its engine (chip {plan.chips[rank]})"
         raise RuntimeError(
-            f"vLLM worker rank {rank} has local rank {local_rank} but holds chip {chip} of its host; "
-            f"torch_tpu would open chip {local_rank}"
+            f"vLLM worker rank {rank} has local rank {local_rank} but holds {held}; "
+            f"torch_tpu would open device {local_rank}"
         )
     ours = plan.worker_env(rank)
     unset = reconcile(ours, host_env, {}).unset

@@ -348,3 +348,132 @@ def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
             break
         time.sleep(1)
     assert live_pgs == [] and actors == []
+
+
+# --- replicas on sub-slices (issue 33 item 2), on the same cluster once the whole-slice app is gone ---
+
+SUB_APP = "sub"
+# Eager: four one-chip engines and one TP 4 engine start in well under a minute.
+SUB_ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "kv_cache_memory_bytes": 32 * 2**20}
+
+
+def _sub_deployment(model_id: str) -> str:
+    from ray import serve
+
+    app = serve.status().applications.get(SUB_APP)
+    names = [n for n in (app.deployments if app else {}) if n.endswith(":" + model_id)]
+    return names[0] if names else ""
+
+
+def _sub_replicas(model_id: str) -> dict:
+    from ray import serve
+
+    name = _sub_deployment(model_id)
+    if not name:
+        return {}
+    states = serve.status().applications[SUB_APP].deployments[name].replica_states
+    return {str(k): v for k, v in states.items()}
+
+
+def _wait_for(what, cond, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def sub_app(sim, model_dir):
+    """One app on one 2x2x2 slice: one TP 4 replica on a one-host 2x2x1 sub-slice
+    (Ray's SubslicePlacementGroup) and four one-chip replicas on the other host.
+    The other slice is held meanwhile, so the app has exactly one slice to fill.
+    Ray discovers the slice's sub-slices first (its discovery needs the slice idle
+    once; docs/serving.md), through the same function the replicas use."""
+    from ray import serve
+    from ray.util.tpu import SlicePlacementGroup
+
+    from ray_train_tpu.rl.slices import reserve_subslice
+    from ray_train_tpu.serve import build_llm_config, build_openai_app
+
+    _wait_for("the whole-slice app's slices released", lambda: not [
+        pg for pg in _pgs() if pg["state"] != "REMOVED" and any(b.get("TPU") for b in pg["bundles"].values())], 90)
+    other = SlicePlacementGroup(topology=TOPOLOGY, accelerator_version=ACCEL, resources_per_bundle={"TPU": 1})
+    ray.get(other.placement_group.ready(), timeout=60)
+    held = set(ray.util.placement_group_table(other.placement_group)["bundles_to_node_id"].values())
+    host = Topology.parse("2x2x1", ACCEL)
+    warm = reserve_subslice(host, resources_per_bundle={"TPU": 4}, name="discover", simulated=True)
+    ray.get(warm.placement_group.ready(), timeout=60)
+    warm.shutdown()
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    tp4 = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id="tiny8-tp4", engine_shape="2x2x1", num_replicas=1,
+                           engine_kwargs=SUB_ENGINE)
+    chips = build_llm_config(model_dir, TOPOLOGY, ACCEL, model_id="tiny8-chip", engine_shape="1x1x1", num_replicas=4,
+                             engine_kwargs=SUB_ENGINE)
+    t0 = time.monotonic()
+    serve.run(build_openai_app([tp4, chips]), name=SUB_APP, route_prefix="/")
+    print(f"sub-slice app up in {time.monotonic() - t0:.0f} s")
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "held": held}
+    finally:
+        serve.shutdown()
+        other.shutdown()
+
+
+def _completion(url, model_id):
+    status, _, text = _post(f"{url}/v1/completions", {"model": model_id, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0, "return_token_ids": True}, timeout=120)
+    assert status == 200, text
+    return json.loads(text)["choices"][0]["token_ids"]
+
+
+def _answers(url, model_id, n):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: _completion(url, model_id), range(n)))
+
+
+def test_one_slice_as_four_one_chip_replicas_and_one_tp4_replica_answers_alike(sim, sub_app):
+    created = [pg for pg in _pgs("CREATED") if any(b.get("TPU") for b in pg["bundles"].values())]
+    ours = [pg for pg in created if not set(pg["bundles_to_node_id"].values()) <= sub_app["held"]]
+    # Five groups of one chip per bundle: 4 x 1 chip and 1 x 4 chips, each on one host, the slice full.
+    assert sorted(len(pg["bundles"]) for pg in ours) == [1, 1, 1, 1, 4]
+    hosts = [set(pg["bundles_to_node_id"].values()) for pg in ours]
+    assert all(len(h) == 1 for h in hosts) and len(set().union(*hosts)) == 2
+    assert not set().union(*hosts) & sub_app["held"]
+    one_chip = _answers(sub_app["url"], "tiny8-chip", 8)  # concurrent: spread over the four replicas
+    tp4 = _completion(sub_app["url"], "tiny8-tp4")
+    assert len(tp4) == MAX_TOKENS and all(a == tp4 for a in one_chip), (tp4, one_chip)
+
+
+def test_a_killed_one_chip_replica_leaves_the_others_serving_and_is_replaced(sim, sub_app):
+    """Its replica actor is killed, not its host: the four one-chip replicas share
+    one host, whose loss would take all four (and the cluster's host) down."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray.util.state import list_actors
+
+    want = _completion(sub_app["url"], "tiny8-tp4")
+    replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+                if "tiny8-chip" in (a.class_name or "") and "ServeReplica" in (a.class_name or "")]
+    assert len(replicas) == 4, [a.class_name for a in replicas]
+    groups = len([pg for pg in _pgs("CREATED") if len(pg["bundles"]) == 1])
+    with ThreadPoolExecutor(8) as pool:
+        os.kill(replicas[0].pid, signal.SIGKILL)
+        # Sent after the kill, before Serve has noticed it: every one must be answered.
+        after = list(pool.map(lambda _: _completion(sub_app["url"], "tiny8-chip"), range(12)))
+    assert all(a == want for a in after)
+    # Its chip went with it (the group fate-shares with the replica); Serve's new replica takes one again.
+
+    def replaced():
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+                 if "tiny8-chip" in (a.class_name or "") and "ServeReplica" in (a.class_name or "")]
+        return (len(alive) == 4 and replicas[0].actor_id not in {a.actor_id for a in alive}
+                and _sub_replicas("tiny8-chip") == {"RUNNING": 4}
+                and len([pg for pg in _pgs("CREATED") if len(pg["bundles"]) == 1]) == groups)
+
+    _wait_for("the replacement replica on a free chip", replaced, 240)
+    assert _answers(sub_app["url"], "tiny8-chip", 4) == [want] * 4

@@ -237,6 +237,24 @@ def test_batch_on_both_slices_equals_offline_and_survives_a_killed_engine(served
     assert restarted and restarted[0].num_restarts >= 1  # Ray restarted it (on its slice)
     _wait("nothing reserved", lambda: not [pg for pg in ray.util.placement_group_table().values()
                                            if pg["state"] != "REMOVED"], 60)
+    # The engines shut down cleanly once the rows were done, before their slices were
+    # taken back, and said no EngineDeadError doing so (issue 33).
+    logs = _engine_logs()
+    assert logs and any("[shutdown] MPClient: complete" in text for text in logs.values()), sorted(logs)
+    assert not {f for f, text in logs.items() if "EngineDeadError" in text or "output_handler failed" in text}
+
+
+def _engine_logs() -> dict:
+    """The text of every worker log of this cluster's session that a batch engine wrote."""
+    import glob
+
+    logs_dir = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
+    by_worker: dict = {}
+    for path in glob.glob(os.path.join(logs_dir, "worker-*")):  # .out and .err of one worker process
+        with open(path, errors="replace") as f:
+            by_worker[os.path.splitext(os.path.basename(path))[0]] = by_worker.get(
+                os.path.splitext(os.path.basename(path))[0], "") + f.read()
+    return {name: text for name, text in by_worker.items() if "SliceEngineUDF" in text}
 
 
 def test_ctrl_c_stops_the_cli_and_its_cluster(served):

@@ -160,6 +160,13 @@ def test_pinned_ray_llm_seams_exist(simulated):
     assert {"placement_group", "run_init_node"} <= fields
     assert "self.llm_config" in inspect.getsource(R.CallbackBase.__init__)
     assert inspect.iscoroutinefunction(R.OpenAiIngress._get_model_id)
+    # Replicas on sub-slices: the engine config's backend is a private attribute, the one
+    # its get_or_create_pg asks; free TPU per node as Ray's own sub-slice search reads it.
+    from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
+
+    assert "_accelerator" in VLLMEngineConfig.__private_attributes__
+    assert "self.accelerator.create_placement_group(" in inspect.getsource(VLLMEngineConfig.get_or_create_pg)
+    assert "available_resources_per_node()" in inspect.getsource(ray.util.tpu.subslice_placement_group)
     # Ray Data LLM: the engine stage by class name, its UDF's constructor, and the
     # remote-args hook Ray Data calls per engine actor (num_cpus kept when given).
     from ray.llm._internal.batch.processor.base import Processor
@@ -176,6 +183,35 @@ def test_pinned_ray_llm_seams_exist(simulated):
 
     assert "remote_args.update(self._ray_remote_args_fn())" in inspect.getsource(actor_pool_map_operator)
     assert '"num_cpus" not in ray_remote_args' in inspect.getsource(map_operator)
+
+
+def test_vllm_shutdown_race_that_cancel_output_handler_avoids(simulated):
+    """vLLM 0.29's AsyncLLM.shutdown stops the engine core client (whose output
+    task queues an EngineDeadError when cancelled) before it cancels the output
+    handler, which logs what it reads with a traceback: our batch engines cancel
+    the handler first (`cancel_output_handler`)."""
+    import asyncio
+
+    from vllm.v1.engine import async_llm, core_client
+
+    from ray_train_tpu._compat import vllm as V
+
+    shutdown = inspect.getsource(async_llm.AsyncLLM.shutdown)
+    assert shutdown.index("engine_core.shutdown(") < shutdown.index("cancel_task_threadsafe(handler)")
+    client = inspect.getsource(core_client.AsyncMPClient)
+    assert "except asyncio.CancelledError:\n                outputs_queue.put_nowait(EngineDeadError())" in client
+    assert 'logger.exception("AsyncLLM output_handler failed.")' in inspect.getsource(
+        async_llm.AsyncLLM._run_output_handler)
+
+    async def run():
+        engine = type("E", (), {})()
+        engine.output_handler = asyncio.create_task(asyncio.sleep(60))
+        assert V.cancel_output_handler(engine) and not V.cancel_output_handler(type("N", (), {})())
+        with pytest.raises(asyncio.CancelledError):
+            await engine.output_handler
+        assert not V.cancel_output_handler(engine) and not V.cancel_output_handler(None)
+
+    asyncio.run(run())
 
 
 def test_pinned_vllm_version_and_seams_exist(simulated):
@@ -323,6 +359,17 @@ def test_ray_subslice_discovery_seam_exists():
     with compat_ray.simulated_subslice_discovery(lambda: [("h", 0, [0, 0])]):
         assert ray_tpu._discover_tpu_node_coords.__name__ == "discover"
     assert ray_tpu._discover_tpu_node_coords.__name__ == "_discover_tpu_node_coords"
+    # Ray reads free chips with a default of "all free", and imports the reader at call time.
+    search = inspect.getsource(ray_tpu.subslice_placement_group)
+    assert "from ray._private.state import available_resources_per_node" in search
+    assert '.get("TPU", total)' in inspect.getsource(ray_tpu._find_undiscovered_idle_slice)
+    assert '.get("TPU", total_tpus)' in inspect.getsource(ray_tpu._find_available_subslice)
+    import ray._private.state as ray_state
+
+    original = ray_state.available_resources_per_node
+    with compat_ray.zero_filled_availability():
+        assert ray_state.available_resources_per_node is not original
+    assert ray_state.available_resources_per_node is original
 
 
 def test_elastic_preemption_and_hang_seams_exist():

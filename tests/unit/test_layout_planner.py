@@ -230,7 +230,7 @@ def test_serve_plan_prints_the_layout_and_starts_nothing(tmp_path):
     text = out.getvalue()
     assert code == 0 and err.getvalue() == "", err.getvalue()
     assert "engine: TP 1 x PP 1 on 1x1" in text and "engines per slice: 16" in text
-    assert "--topology 1x1 --num-replicas 16" in text and "TP 2 x PP 8 on 4x4" in text
+    assert "serve runs this layout with --engine-shape 1x1 --num-replicas 16" in text
     assert {m for m in ("ray", "vllm", "transformers") if m in sys.modules} == before
     # Overrides reach the planner; a refused one is one line, exit 2.
     out, err = io.StringIO(), io.StringIO()

@@ -2,6 +2,7 @@
 so vLLM, ~20 s; starts no Ray cluster); which vLLM platform runs where; and the
 real-TPU (vllm-torchtpu) config path, checked without that package."""
 
+import inspect
 import json
 import logging
 import os
@@ -232,3 +233,41 @@ def test_pipeline_parallel_modes_that_cannot_serve_are_refused_by_name(model_dir
     # vllm-torchtpu is not vLLM's CPU backend: not refused there (untested on TPUs).
     assert build_llm_config(model_dir, "2x2x2", "v4", simulate=False, pipeline_parallel_size=2,
                             engine_kwargs=engine_kwargs)
+
+
+def test_replicas_on_sub_slices_reserve_their_piece_themselves(model_dir):
+    """engine_shape: Ray Serve LLM's own LLMConfig with our server_cls, which
+    reserves the replica's piece and hands it to Ray Serve LLM's engine config
+    (the private seam `use_placement_group`); by default one slice's worth of replicas."""
+    from ray_train_tpu._compat import ray_llm as R
+    from ray_train_tpu.serve import build_llm_config
+    from ray_train_tpu.serve._subslice import SubsliceLLMServer
+
+    config = build_llm_config(model_dir, "2x2x2", "v4", engine_shape="1x1x1", simulate=True)
+    assert config.server_cls is SubsliceLLMServer and issubclass(SubsliceLLMServer, R.LLMServer)
+    assert config.deployment_config["num_replicas"] == 8  # one slice of one-chip engines
+    assert (config.engine_kwargs["tensor_parallel_size"], config.engine_kwargs["pipeline_parallel_size"]) == (1, 1)
+    assert config.callback_config.callback_kwargs == {"topology": "2x2x2", "accelerator_type": "TPU-V4",
+                                                      "engine_shape": "1x1x1"}
+    engine = config.get_engine_config()
+    assert engine.accelerator.requires_deferred_placement_group  # Serve reserves nothing for the replica
+    released = []
+    pg = object()
+    R.use_placement_group(config, pg, lambda: released.append(True))
+    # What Ray Serve LLM's get_or_create_pg asks for in a replica outside any group.
+    assert "self.accelerator.create_placement_group(" in inspect.getsource(type(engine).get_or_create_pg)
+    assert engine.accelerator.create_placement_group(bundles=engine.placement_bundles, strategy="PACK", name="",
+                                                     accelerator_type_str="TPU-V4") is pg
+    engine.accelerator.shutdown()
+    engine.accelerator.shutdown()
+    assert released == [True]
+    host = build_llm_config(model_dir, "4x4", "TPU-V6E", engine_shape="2x2", simulate=False,
+                            autoscaling_config={"min_replicas": 1, "max_replicas": 4})
+    assert host.engine_kwargs["tensor_parallel_size"] == 4 and "num_replicas" not in host.deployment_config
+    assert host.runtime_env["env_vars"]["TORCH_TPU_TOPOLOGY"] == "2,2,1"  # the engine's own piece
+    from ray_train_tpu.serve.cli import config_json
+
+    dumped = json.loads(json.dumps(config_json(config)))  # serve --print-config
+    assert dumped["server_cls"] == "ray_train_tpu.serve._subslice.SubsliceLLMServer"
+    whole = build_llm_config(model_dir, "2x2x2", "v4", engine_shape="2x2x2", simulate=True)
+    assert whole.server_cls is None and whole.engine_kwargs["tensor_parallel_size"] == 8  # the whole-slice path

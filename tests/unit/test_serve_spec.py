@@ -15,6 +15,7 @@ from ray_train_tpu.serve.models import split_source
 from ray_train_tpu.serve.slice_plan import (
     ENGINE_SET_KEYS,
     BundlePlace,
+    engine_topology,
     SlicePlan,
     check_worker_place,
     plan_slice,
@@ -208,8 +209,92 @@ def test_a_one_chip_engine_checks_its_chip_and_slice(monkeypatch):
         check_chip_engine(slice_name="trainer", chips=["3"], env=host)
 
 
+@pytest.mark.parametrize(
+    "shape, sizes, heads, words",
+    [
+        ("2x2x4", {}, 8, ["engine_shape '2x2x4'", "no piece that one TPU-V4 2x2x2", "rule:", "valid: 1x1x1",
+                          "--plan"]),
+        ("1x1", {}, 8, ["engine_shape '1x1'", "valid: 1x1x1"]),  # a v6e name on v4
+        ("2x2x1", {"tensor_parallel_size": 4}, 6, ["6 attention heads do not divide by 4",
+                                                   "leave tensor_parallel_size"]),
+        ("2x2x1", {}, 7, ["cannot be spread over one 2x2x1 engine_shape", "TP=4 x PP=1: its 7 attention heads"]),
+        ("1x2x1", {"tensor_parallel_size": 4}, 8, ["tensor_parallel_size 4 does not divide one 1x2x1 engine_shape's "
+                                                   "2 devices", "rule: TP x PP = 2", "valid: 1, 2"]),
+    ],
+)
+def test_a_sub_slice_the_slice_cannot_give_or_the_model_cannot_use_is_refused(shape, sizes, heads, words):
+    from ray_train_tpu.serve.subslice import SubsliceServeSpec
+
+    model = ModelShape(num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=1, source="m")
+    with pytest.raises(ValueError) as e:
+        SubsliceServeSpec(accelerator_type="TPU-V4", topology="2x2x2", engine_shape=shape, model=model, **sizes)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_sub_slice_shapes_are_the_planners_and_rays():
+    """What the spec accepts is the layout planner's engine shapes, and the
+    whole-host ones are shapes of Ray's own sub-slice table."""
+    from ray._private.accelerators.tpu import _VALID_TOPOLOGY_WORKER_DIMS_2D, _VALID_TOPOLOGY_WORKER_DIMS_3D
+
+    from ray_train_tpu.serve.subslice import SubsliceServeSpec
+
+    for accel, topo, want in [("TPU-V4", "2x2x4", {"1x1x1": 16, "1x2x1": 8, "2x2x1": 4, "2x2x2": 2}),
+                              ("TPU-V6E", "4x4", {"1x1": 16, "1x2": 8, "2x2": 4, "2x4": 2})]:
+        got = {}
+        for name in want:
+            s = SubsliceServeSpec(accelerator_type=accel, topology=topo, engine_shape=name)
+            got[name] = s.shape.count
+            assert s.engine.num_devices * s.shape.count == s.parent.num_devices
+            if s.shape.cut_by == "SubslicePlacementGroup":
+                assert name in _VALID_TOPOLOGY_WORKER_DIMS_2D or name in _VALID_TOPOLOGY_WORKER_DIMS_3D
+            else:
+                assert s.part_of_host and s.engine.num_hosts == 1 and s.engine.chips_per_host < s.parent.chips_per_host
+        assert got == want
+
+
+def test_a_sub_slice_plan_names_its_parent_hosts_and_chips():
+    """Whole hosts of a larger slice: the engine's hosts are renumbered 0..N-1 in
+    worker id order, each worker checked against its host's own worker id.
+    Part of one host: Ray's chips, ports of their own."""
+    parent = Topology.parse("2x2x4", "TPU-V4")
+    sub = Topology.parse("2x2x2", "TPU-V4")
+    places = [BundlePlace(index=i, node_id=f"n{w}", node_ip=f"10.0.0.{w}", slice_name="s0", worker_id=w, chip=c)
+              for i, (w, c) in enumerate([(3, c) for c in range(4)] + [(2, c) for c in range(4)])]
+    plan = plan_slice(sub, places, xprof_session_id="1", parent=parent)
+    assert plan.hosts == ("10.0.0.2", "10.0.0.3") and plan.worker_ids == (2, 3) and plan.chips == ()
+    assert plan.bundle_indices == (4, 5, 6, 7, 0, 1, 2, 3)
+    assert plan.worker_env(5) == launch_env(sub, ["10.0.0.2", "10.0.0.3"], rank=5, xprof_session_id="1")
+    check_worker_place(plan, 5, worker_id="3", slice_name="s0", chips=["1"])
+    with pytest.raises(RuntimeError, match="is s0/w3 chip 1"):
+        check_worker_place(plan, 5, worker_id="1", slice_name="s0", chips=["1"])
+    assert SlicePlan.from_json(plan.to_json()) == plan
+    with pytest.raises(RuntimeError, match="not the 8 devices of one TPU-V4 2x2x4 .* sub-slice"):
+        plan_slice(sub, places[:4] + [BundlePlace(**{**p.__dict__, "slice_name": "s1"}) for p in places[4:]],
+                   xprof_session_id="1", parent=parent)
+
+    two = engine_topology("1x2x1", "TPU-V4")
+    host = Topology.parse("2x2x1", "TPU-V4")
+    chips = [BundlePlace(index=i, node_id="n", node_ip="10.0.0.9", slice_name="s0", worker_id=1, chip=c)
+             for i, c in enumerate([3, 2])]
+    plan = plan_slice(two, chips, xprof_session_id="1", parent=host)
+    assert plan.bundle_indices == (1, 0) and plan.chips == (2, 3) and plan.worker_ids == (1,)
+    env = plan.worker_env(1)
+    assert env["TPU_VISIBLE_CHIPS"] == "3" and env["LOCAL_RANK"] == "1"
+    # Its own ports: never those of an engine on the host's chips 0 and 1.
+    assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "10.0.0.9:8072,10.0.0.9:8073" and env["MASTER_PORT"] == "29502"
+    check_worker_place(plan, 1, worker_id="1", slice_name="s0", chips=["3"])
+    host_env = {"TPU_NAME": "s0", "TPU_WORKER_ID": "1"}
+    assert slice_worker_env(plan, 1, local_rank=1, chips=[3], host_env=host_env, engine_env={},
+                            simulated=True).set == env
+    with pytest.raises(RuntimeError, match=r"local rank 3 but holds device 1 of its engine \(chip 3\)"):
+        slice_worker_env(plan, 1, local_rank=3, chips=[3], host_env=host_env, engine_env={}, simulated=True)
+    with pytest.raises(ValueError, match="topology '1x3x1'"):
+        engine_topology("1x3x1", "TPU-V4")
+
+
 @pytest.mark.parametrize("name", ["ray_train_tpu.serve.spec", "ray_train_tpu.serve.slice_plan",
-                                  "ray_train_tpu.serve.layout_planner"])
+                                  "ray_train_tpu.serve.layout_planner", "ray_train_tpu.serve.subslice"])
 def test_doctests_of_the_pure_serving_modules_pass(name):
     import doctest
     import importlib
@@ -226,6 +311,10 @@ def test_doctests_of_the_pure_serving_modules_pass(name):
         (["--topology", "4x4", "--accelerator-type", "H100"], ["accelerator_type 'H100'"]),
         (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--tensor-parallel-size", "3"],
          ["tensor_parallel_size 3", "16 devices"]),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--engine-shape", "2x2x1"],
+         ["engine_shape '2x2x1'", "valid: 1x1 (1 devices"]),
+        (["--topology", "4x4", "--accelerator-type", "TPU-V6E", "--engine-shape", "2x2", "--tensor-parallel-size",
+          "8"], ["tensor_parallel_size 8 does not divide one 2x2 engine_shape's 4 devices"]),
     ],
 )
 def test_serve_cli_refuses_bad_slices_before_importing_ray(argv, words):
