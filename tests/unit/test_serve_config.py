@@ -169,8 +169,17 @@ def test_serve_cli_prints_the_llm_config_as_json(model_dir):
     assert config["callback_config"]["callback_kwargs"] == {"topology": "2x2x2", "accelerator_type": "TPU-V4"}
 
 
-def test_autoscaling_counts_slices_and_never_beside_num_replicas(model_dir):
+def test_autoscaling_counts_slices_and_never_beside_num_replicas(model_dir, monkeypatch):
+    import types
+
+    import ray
+
     from ray_train_tpu.serve import build_llm_config
+
+    # Ray Serve LLM's get_deployment_options reads the driver's runtime env through
+    # ray.get_runtime_context(), which would connect this process to Ray (or to any
+    # cluster running on the machine): a driver without a runtime env instead.
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={}))
 
     config = build_llm_config(model_dir, "2x2x2", "v4", simulate=True,
                               autoscaling_config={"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 5})
