@@ -5,7 +5,8 @@
    ``stateful_dataloader`` (and Ray's ``prepare_data_loader``) sharded by the
    strategy's data-parallel ranks: tensor-parallel peers read the same rows.
 2. Drop-in: an ordinary TorchTrainer training loop runs unchanged, on the
-   simulated "tpu" device (Ray's own prepare_data_loader moves its batches).
+   simulated "tpu" device (Ray's own prepare_data_loader moves its batches);
+   Ray Data datasets are sharded over the ranks (checked in the HF run, 4).
 3. A planted slip (a host batch fed to the device model) fails as on a TPU,
    naming both devices.
 4. The Hugging Face Trainer (Ray's prepare_trainer + RayTrainReportCallback recipe)
@@ -214,29 +215,6 @@ def test_ordinary_torch_trainer_loop_runs_unchanged(sim, tmp_path):
     assert str(result.path).startswith(str(tmp_path / "dropin"))
 
 
-def _dataset_loop():
-    shard = ray.train.get_dataset_shard("train")
-    total = sum(int(b["id"].sum()) for b in shard.iter_torch_batches(batch_size=16))
-    ray.train.report({"rows_sum": total})
-    Path("/tmp").joinpath(f"rtt_ds_{ray.train.get_context().get_world_rank()}_{ray.get_runtime_context().get_job_id()}").write_text(str(total))
-
-
-def test_ray_data_datasets_are_sharded(sim, tmp_path):
-    ds = ray.data.from_items([{"id": i} for i in range(200)])
-    result = TPUTorchTrainer(
-        _dataset_loop,
-        datasets={"train": ds},
-        scaling_config=TPUScalingConfig(topology=TOPOLOGY, accelerator_type=ACCEL),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path)),
-    ).fit()
-    assert result.error is None
-    job = ray.get_runtime_context().get_job_id()
-    parts = [int(Path(f"/tmp/rtt_ds_{r}_{job}").read_text()) for r in range(4)]
-    for r in range(4):
-        Path(f"/tmp/rtt_ds_{r}_{job}").unlink()
-    assert sum(parts) == sum(range(200)) and all(p > 0 for p in parts)
-
-
 def _slip_on_rank_2():
     import ray_train_tpu
 
@@ -336,9 +314,13 @@ def _hf_loop(config):
         bf16=True, gradient_checkpointing=True, eval_strategy="steps", eval_steps=1, save_strategy="steps",
         save_steps=1, logging_steps=1, report_to=[], disable_tqdm=True, learning_rate=1e-3,
     )
+    shard = ray.train.get_dataset_shard("train")
+    if ray.train.get_checkpoint() is None:  # one epoch over this rank's shard, to check the sharding
+        rows = [row for batch in shard.iter_torch_batches(batch_size=4) for row in batch["input_ids"].tolist()]
+        (out / f"rank{rank}.rows").write_text(json.dumps(rows))
     trainer = Trainer(
         model=_tiny_llama(), args=args,
-        train_dataset=ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=2),
+        train_dataset=shard.iter_torch_batches(batch_size=2),
         eval_dataset=datasets.Dataset.from_list(_hf_rows(8)),
         callbacks=[RayTrainReportCallback(), Probe()],
     )
@@ -374,6 +356,9 @@ def test_hugging_face_trainer_trains_on_the_device_reports_and_resumes_after_a_w
     state_bytes = 4 * 4 * sum(p.numel() for p in _tiny_llama().parameters())
     assert all(m["peak_bytes"] >= state_bytes for m in last["device_memory"].values()), last["device_memory"]
     assert last["device_total_bytes"] == 32 * 2**30
+    # Ray Data shards: every rank holds rows, no row twice, together the dataset
+    shards = [json.loads((out / f"rank{r}.rows").read_text()) for r in range(4)]
+    assert all(shards) and sorted(row for rows in shards for row in rows) == sorted(r["input_ids"] for r in _hf_rows(16))
     assert json.loads((out / "killed").read_text()) == [1]  # step 1's checkpoint was committed when rank 1 died
     starts = {r: [json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(4)}
     for r, runs in starts.items():
