@@ -70,9 +70,10 @@ def slice_worker_setup(rank: int, local_rank: int, engine_env: Mapping[str, str]
     _environ.unset(env.unset)
     APPLIED.clear()
     APPLIED.update(env.set)
-    worker_id, chip = plan.place(rank)
+    _, chip = plan.place(rank)
     logger.info("%s worker rank %d on %s (host %s, chip %d): place and environment checked",
-                "SIMULATED TPU" if simulated else "TPU", rank, plan.slice_name, plan.hosts[worker_id], chip)
+                "SIMULATED TPU" if simulated else "TPU", rank, plan.slice_name,
+                plan.hosts[rank // plan.parsed.devices_per_host], chip)
     return env.set
 
 

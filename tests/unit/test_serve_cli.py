@@ -152,6 +152,41 @@ def test_a_dataset_without_the_prompt_column_is_refused_before_anything_is_reser
     assert processor.release() == 0  # nothing was reserved
 
 
+def test_slices_are_released_only_once_their_engines_have_shut_down(monkeypatch):
+    """A slice removed under a running engine kills its vLLM workers (an
+    EngineDeadError): after a clean run, release waits until no actor runs in the
+    job's placement groups; after an error it releases at once."""
+    import ray.util.state
+
+    from ray_train_tpu.serve import batch as B
+
+    events, answers = [], [["engine", "worker"], ["worker"], []]
+
+    def list_actors(**kwargs):
+        alive = answers.pop(0) if answers else []
+        events.append(f"listed {len(alive)}")
+        return [types.SimpleNamespace(placement_group_id="pg0", name=n) for n in alive] + [
+            types.SimpleNamespace(placement_group_id="other-job", name="x")]
+
+    class Handle:
+        placement_group = types.SimpleNamespace(id=types.SimpleNamespace(hex=lambda: "pg0"))
+
+        def shutdown(self):
+            events.append("removed")
+
+    monkeypatch.setattr(ray.util.state, "list_actors", list_actors)
+    monkeypatch.setattr(B.time, "sleep", lambda s: None)
+    B._RESERVATIONS["job-a"] = [Handle()]
+    assert B.release("job-a", wait_s=60) == 1
+    assert events == ["listed 2", "listed 1", "listed 0", "removed"]
+    events.clear()
+    B._RESERVATIONS["job-b"] = [Handle()]
+    processor = SliceBatchProcessor.__new__(SliceBatchProcessor)
+    processor.job = "job-b"
+    processor.__exit__(RuntimeError, RuntimeError("failed"), None)
+    assert events == ["removed"]  # after an error: at once
+
+
 @pytest.mark.parametrize(
     "lines, argv, words",
     [
