@@ -8,6 +8,12 @@ import os
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
+# Hypothesis's pytest plugin imports hypothesis in its end-of-run summary when no
+# test did; after a run that started vLLM engines, CPython 3.11's parser then
+# fails that import ("AST constructor recursion depth mismatch") and pytest exits
+# 1 after every test passed. Imported here, at start-up, it never is imported late.
+import hypothesis  # noqa: E402,F401
+
 
 import sys  # noqa: E402
 
