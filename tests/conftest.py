@@ -20,6 +20,15 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pytest_temp_dirs_outside_any_simulated_host(tmp_path_factory):
+    """pytest makes its base temporary directory lazily, under ``TMPDIR`` at the
+    first ``tmp_path``. A simulated cluster points the driver's ``TMPDIR`` at the
+    head host's own disk while it is up and removes that disk with the cluster,
+    so a base made then would vanish under every later module: make it now."""
+    tmp_path_factory.getbasetemp()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_connection_outlives_its_module(request):
     """A module that leaves this process connected to Ray changes what every later
