@@ -16,7 +16,6 @@ import logging
 from typing import Callable
 
 from ray_train_tpu import _environ
-from ray_train_tpu import constants as C
 from ray_train_tpu._compat import vllm as compat_vllm
 from ray_train_tpu.rl import weights as W
 
@@ -77,10 +76,17 @@ class WeightSyncExtension:
         """This worker's rank, TP rank, host and chip (for the engine's place check)."""
         import ray
 
+        from ray_train_tpu.discovery import host_identity
+
         ctx = ray.get_runtime_context()
+        # GKE's variable, else Ray's label (a TPU VM started with `ray start` has only the
+        # label). A one-chip engine's worker may run in vLLM's engine-core process, which
+        # is not connected to Ray: there the variables alone.
+        labels = dict(ctx.get_node_labels() or {}) if ray.is_initialized() else {}
+        identity = host_identity(_environ.copy(), labels)
         return {**compat_vllm.worker_place(self), "node_ip": ray.util.get_node_ip_address(),
                 "chips": [int(c) for c in ctx.get_accelerator_ids().get("TPU", [])],
-                "worker_id": _environ.get(C.TPU_WORKER_ID), "slice_name": _environ.get(C.TPU_NAME)}
+                "worker_id": identity.worker_id, "slice_name": identity.slice_name}
 
     def rl_tp_specs(self) -> dict:
         """``{hf name: (dim, start, length) or None}``: this TP rank's slice of each tensor."""

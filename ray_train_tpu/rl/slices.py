@@ -229,12 +229,16 @@ def simulated_chip_coords() -> list:
     real v4/v5p slice is untested."""
     import socket
 
+    import ray
+
     from ray_train_tpu import _environ
+    from ray_train_tpu.discovery import host_identity
     from ray_train_tpu.topology import generation_of_pod_type
 
-    pod_type = _environ.get(C.TPU_ACCELERATOR_TYPE)
-    topo = Topology.parse(_environ.get(C.TPU_TOPOLOGY), generation_of_pod_type(pod_type))
-    worker = int(_environ.get(C.TPU_WORKER_ID))
+    # GKE's variables, else Ray's labels (a simulated TPU VM has only the labels)
+    identity = host_identity(_environ.copy(), dict(ray.get_runtime_context().get_node_labels() or {}))
+    topo = Topology.parse(identity.topology, generation_of_pod_type(identity.pod_type))
+    worker = int(identity.worker_id)
     dims = len(topo.name.split("x"))
     return [(socket.gethostname(), i, list(reversed(topo.chip_coords(worker, i)[:dims])))
             for i in range(topo.chips_per_host)]

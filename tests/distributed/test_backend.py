@@ -25,7 +25,10 @@ pytestmark = pytest.mark.distributed
 TOPOLOGY, ACCEL = "2x2x2", "TPU-V4"
 
 
-SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, host_order=[1, 0])
+# The GCS notices a removed host in ~3 s (default ~30 s), so that the host put in its
+# place is not one of two that claim one TPU worker id (a broken slice to reserve).
+HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+SIMULATED_SLICE = dict(topology=TOPOLOGY, accelerator_type=ACCEL, host_order=[1, 0], system_config=HEALTH)
 
 
 def _probe(config):
@@ -204,9 +207,19 @@ def test_tpu_host_without_tpu_device_fails_naming_what_is_missing(sim):
             ray.kill(a)
 
 
+def _replace_host(sim, key, **kwargs):
+    """Remove a host and start another in its place once the GCS has seen the first go."""
+    gone = sim.hosts[key]
+    sim.remove_host(*key)
+    deadline = time.monotonic() + 30
+    while any(n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == gone):
+        assert time.monotonic() < deadline, "the GCS never noticed the removed host"
+        time.sleep(0.5)
+    sim.add_host(*key, **kwargs)
+
+
 def test_host_that_never_joins_fails_within_timeout_naming_it(sim, tmp_path):
-    sim.remove_host(0, 1)
-    sim.add_host(0, 1, stall_s=3600)
+    _replace_host(sim, (0, 1), stall_s=3600)
     try:
         start = time.time()
         with pytest.raises(Exception) as e:
@@ -219,5 +232,4 @@ def test_host_that_never_joins_fails_within_timeout_naming_it(sim, tmp_path):
         assert elapsed < 120, elapsed
         _assert_released()
     finally:
-        sim.remove_host(0, 1)
-        sim.add_host(0, 1)
+        _replace_host(sim, (0, 1))

@@ -4,14 +4,17 @@
 Each run trains a tiny model with dropout over a rank-sharded StatefulDataLoader
 for STEPS steps (3 epochs), checkpointing every step with
 `ray_train_tpu.checkpoint.report`. Once (a marker file) the first attempt fails
-at step FAIL_AFTER in one of three ways:
+at step FAIL_AFTER in one of two ways:
 
-- "worker": rank 1 exits after its report of the step; the survivors are left
-  in the next step's collective;
-- "save": rank 1 exits inside DCP's write of the step's checkpoint, before
-  writing a byte; the survivors are left in DCP's collective;
-- "host": the driver removes TPU worker 1 of the slice in use from the cluster,
-  as a preempted TPU VM.
+- "save" (FSDP2): rank 1 exits inside DCP's write of the step's checkpoint,
+  before writing a byte; the survivors are left in DCP's collective;
+- "host" (DDP): the driver removes TPU worker 1 of the slice in use from the
+  cluster, as a preempted TPU VM; the survivors are left in the next step's
+  collective.
+
+(A third run, DDP with rank 1 exiting between steps, was cut for the suite's time
+budget: it took ~80 s and its survivors wait in the same collective as the host
+run's; the process exit itself is the "save" run's.)
 
 Ray Train restarts the worker group (FailureConfig(max_failures=1)) and the
 run resumes from the last checkpoint Ray registered. (A termination notice, on
@@ -128,8 +131,6 @@ def _train_steps(config, rank, checkpointing, out, fail):
                     _die_in_next_dcp_write(out / "failed")
                 checkpoint.report({"loss": loss.item()}, model=model, optimizer=opt, lr_scheduler=sched,
                                   dataloader=loader, step=step, extra={"epoch": epoch})
-                if failing and fail == "worker" and rank == 1:
-                    _fail_now(out / "failed")
                 if failing and fail == "host" and rank == 0:
                     _wait_for_host_loss(out)
             if step == STEPS:
@@ -248,16 +249,13 @@ def _assert_bitwise_equal(a, b, where="final"):
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("strategy, fail", [("ddp", "worker"), ("fsdp2", "save")])
-def test_resume_after_worker_failure_is_bitwise_exact(sim, tmp_path, strategy, fail):
-    """DDP: a worker dies between steps; FSDP2: a worker dies writing a checkpoint."""
-    run = _fit(tmp_path, strategy, strategy, fail=fail)
-    print(f"{strategy}, {fail} failure: {run['seconds']:.0f} s")
+def test_resume_after_a_worker_dies_writing_a_checkpoint_is_bitwise_exact(sim, tmp_path):
+    """FSDP2: a worker dies writing a checkpoint; the export of the last one is exact too."""
+    run = _fit(tmp_path, "fsdp2", "fsdp2", fail="save")
+    print(f"fsdp2, save failure: {run['seconds']:.0f} s")
     _assert_exact_resume(run)
-    if fail == "save":  # the step being written never became a checkpoint
-        assert run["attempts"][1][0]["resumed_from"] < FAIL_AFTER
-    if strategy == "fsdp2":
-        _assert_exports_bitwise(run, tmp_path)
+    assert run["attempts"][1][0]["resumed_from"] < FAIL_AFTER  # the step being written never became a checkpoint
+    _assert_exports_bitwise(run, tmp_path)
 
 
 def _assert_exports_bitwise(run, tmp_path):

@@ -116,13 +116,6 @@ def _slice_of(sim, ip):
     return next(sim.slice_names[s] for (s, w), h in sim.hosts.items() if h == ip)
 
 
-def test_single_slice_job_sees_only_the_live_slice(sim, tmp_path):
-    result, attempts = _fit(tmp_path, "one")
-    assert result.error is None, result.error
-    _assert_live_env(sim, attempts[0], 1)
-    assert not any(k.startswith("MEGASCALE") for r in attempts[0].values() for k in r["env"])
-
-
 def test_multi_slice_job_recomputes_megascale(sim, tmp_path):
     result, attempts = _fit(tmp_path, "two", num_slices=2)
     assert result.error is None, result.error
@@ -150,12 +143,13 @@ def test_ray_names_the_tpu_vms_from_their_metadata(sim):
         assert "sim-slice-1" in node["Resources"] and ("TPU-v4-16-head" in node["Resources"]) == (w == 0)
 
 
-def test_a_retry_recomputes_everything(sim, tmp_path):
+def test_single_slice_job_sees_only_the_live_slice_and_a_retry_recomputes_everything(sim, tmp_path):
     result, attempts = _fit(tmp_path, "retry", fail_once=True)
     assert result.error is None, result.error
     assert sorted(attempts) == [0, 1]
     for attempt in attempts.values():
         _assert_live_env(sim, attempt, 1)
+        assert not any(k.startswith("MEGASCALE") for r in attempt.values() for k in r["env"])
     ids = {a[0]["env"]["TORCH_TPU_XPROF_SESSION_ID"] for a in attempts.values()}
     assert len(ids) == 2, "the retry reused the failed attempt's profiling session"
 
