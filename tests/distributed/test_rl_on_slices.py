@@ -340,7 +340,7 @@ def test_docs_model_life_fine_tune_export_serve_batch_rl_export_serve(sim, monke
     # Served greedy tokens = transformers' on the export (recomputed here).
     prompts, answers = ns["prompts"], ns["sft_answers"]
     assert len(answers) == 3 and all(answers)
-    assert answers == [ns["transformers_greedy"](ns["sft_dir"], p, ns["MAX_TOKENS"]) for p in prompts]
+    assert answers == ns["transformers_greedy"](ns["sft_dir"], prompts, ns["MAX_TOKENS"])
     assert len(ns["rows"]) == 8 and all("generated_text" in r for r in ns["rows"])
     # RL began with the export's tensors: the trainer's published float32 shards and every engine's weights.
     loop = RecordingLoop.made[-1]
@@ -354,4 +354,4 @@ def test_docs_model_life_fine_tune_export_serve_batch_rl_export_serve(sim, monke
     assert [m["step"] for m in ns["history"]] == [1, 2] and all(m["parity_checked"] for m in ns["history"])
     # The RL export differs from the first and serves.
     assert ns["info"].step == 2 and ns["changed"]
-    assert ns["rl_answers"] == [ns["transformers_greedy"](ns["rl_dir"], p, ns["MAX_TOKENS"]) for p in prompts]
+    assert ns["rl_answers"] == ns["transformers_greedy"](ns["rl_dir"], prompts, ns["MAX_TOKENS"])
