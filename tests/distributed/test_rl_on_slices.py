@@ -318,12 +318,16 @@ def test_docs_model_life_fine_tune_export_serve_batch_rl_export_serve(sim, monke
 
     monkeypatch.setattr(ray_train_tpu.testing, "simulated_tpu_cluster", this_cluster)
     monkeypatch.setattr(ray_train_tpu.rl, "GRPOLoop", RecordingLoop)
+    from tests import docs_examples as D
+
+    page = "docs/model_life.md"
+    blocks = [ex for ex in D.examples(LIFE.read_text(), page) if ex.kind == D.ELSEWHERE]  # not the "not run" one
+    assert len(blocks) == 3
     before = {s for s, _ in sim.hosts}
-    ns = {"__name__": "docs_model_life"}
+    ns = D.namespace(page)
     t0 = time.monotonic()
     try:
-        for i, block in enumerate(re.findall(r"```python\n(.*?)```", LIFE.read_text(), flags=re.S)):
-            exec(compile(block, f"{LIFE}:example {i}", "exec"), ns)
+        D.run(blocks, ns)
     finally:
         from ray import serve
 
@@ -331,7 +335,8 @@ def test_docs_model_life_fine_tune_export_serve_batch_rl_export_serve(sim, monke
         for s in {s for s, _ in sim.hosts} - before:
             sim.remove_slice(s)  # the two-host slice the page added
     print(f"[SIMULATED] docs/model_life.md ran in {time.monotonic() - t0:.0f} s; handovers: "
-          f"{ {k: round(v, 1) for k, v in ns['took'].items()} }")
+          f"{ {k: round(v, 1) for k, v in ns['took'].items()} }; RL steps: "
+          f"{[{k: round(m[k], 2) for k in m if k.endswith('_s')} for m in ns['history']]}")
 
     # The export holds the trainer's weights after its 2 steps, which moved them from the base model.
     sft, trained, base = ns["sft"], ns["trained"], ns["export_digests"](ns["base"])
