@@ -18,13 +18,13 @@ One cluster for the module: two v4 2x2x1 slices (one host each) and a v4
   mid-run: a new trainer group resumes from the last checkpoint on the shared
   storage (not step 0) and the engine is re-synced to exactly its weights.
 
-- last, the page docs/model_life.md as written, on a two-host v4 2x2x2 slice the
-  page adds to this cluster (``sim.add_slice(topology="2x2x2")``) and the two
-  one-host slices: fine-tune with FSDP2 on the two hosts and export (= the
-  trainer's full state dict), serve the export on one chip (= transformers'
-  greedy tokens), batch-evaluate with a reward, GRPO from the export (trainer
-  and every engine = the export at step 0), export the RL checkpoint (changed)
-  and serve it.
+- last, the page docs/model_life.md as written (its "run by" blocks), on a
+  two-host v4 2x2x2 slice the page adds to this cluster
+  (``sim.add_slice(topology="2x2x2")``) and the two one-host slices: fine-tune
+  with FSDP2 on the two hosts and export (= the trainer's full state dict),
+  GRPO from the export (trainer and every engine = the export at step 0),
+  export the RL checkpoint (changed), serve both exports on one chip each
+  (= transformers' greedy tokens) and evaluate them with a reward.
 
 The docs' ``simulated_tpu_cluster(...)`` blocks are given this module's
 cluster, and ``GRPOLoop`` a subclass that keeps the loop for the next tests.
@@ -306,7 +306,7 @@ def _blocks(rows: dict, tensors: dict, dtype) -> dict:
     return out
 
 
-def test_docs_model_life_fine_tune_export_serve_batch_rl_export_serve(sim, monkeypatch):
+def test_docs_model_life_fine_tune_export_rl_export_serve_both(sim, monkeypatch):
     import time
 
     import torch
