@@ -13,6 +13,10 @@ One step, driven from here (the single controller):
    engine loads them through vLLM's weight-transfer API; then the **parity**
    check: each engine's weights equal the trainer's bit for bit, block by block.
 
+At start (no checkpoint to resume) the engines are synced from the trainer and
+checked against it, and the trainer against ``model_dir`` (`check_source`): the
+run begins from exactly that directory's weights.
+
 With ``overlap=True`` the rollout of step k+1 is submitted as soon as step k's
 samples are in, so it runs while step k's rewards, training and publishing
 do; the engines load step k's weights once it is done. Step k+1 thus trains on
@@ -281,6 +285,19 @@ class GRPOLoop:
                                       f"{len(expected)} blocks after a sync: {'; '.join(bad[:3])}")
         return len(expected)
 
+    def check_source(self) -> int:
+        """Raise `WeightSyncError` unless the trainer holds exactly ``model_dir``'s
+        weights, bit for bit (each rank its shard, read from the directory's
+        safetensors; in the trainer's dtype); returns the number of tensors
+        compared. Run at start, with no checkpoint to resume: with the first
+        parity check (engines = trainer), a run begins from the directory's
+        weights, e.g. an export (`ray_train_tpu.checkpoint.export_hf`)."""
+        bad = [line for part in self.trainer.call("source_mismatches", self._layout) for line in part]
+        if bad:
+            raise WeightSyncError(f"the trainer's weights at step 0 differ from model_dir {self.config.model_dir!r} "
+                                  f"in {len(bad)} of {len(self._layout)} tensors: {'; '.join(bad[:3])}")
+        return len(self._layout)
+
     # --- failures
 
     def _resume(self) -> None:
@@ -297,6 +314,9 @@ class GRPOLoop:
             self.step = 0
         self.initial_sync = self._sync(check=True)
         self.resync_digests = self.last_engine_digests  # what the engine held before the next rollout
+        if latest is None and self.config.check_parity_every:
+            t0 = time.perf_counter()  # the engines equal the trainer; the trainer must equal model_dir
+            self.initial_sync.update(source_tensors=self.check_source(), source_s=time.perf_counter() - t0)
 
     def _recover_trainer(self, error: BaseException) -> None:
         logger.warning("GRPO trainer failed at step %d (%s); restarting it from its last checkpoint",

@@ -325,6 +325,36 @@ class PolicyWorker:
         tensors = dict(t for bucket in ray.get(refs) for t in W.unpack(bucket))
         return W.trainer_digests(shard, tensors, layout, specs)
 
+    def source_mismatches(self, layout: dict) -> list[str]:
+        """Where this rank's shard of the weights differs, bit for bit, from the
+        tensors of ``model_dir``, cast to the trainer's dtype as ``from_pretrained``
+        casts them: one line per parameter, [] when the rank holds exactly those
+        weights. ``layout``: ``{name: rows of each rank's shard}`` (what
+        `publish_weights` reports). Reads only this rank's rows of each tensor
+        (safetensors slices), so the ranks together read the model once."""
+        import contextlib
+
+        from safetensors import safe_open
+
+        from ray_train_tpu.rl.weights import safetensors_files, same_bits
+
+        files = safetensors_files(self.model_dir)
+        out = []
+        with contextlib.ExitStack() as stack:
+            handles = {}
+            for name, param in self.model.named_parameters():
+                mine = _local(param).detach().to("cpu")
+                if name not in files:
+                    out.append(f"{name}: not in {self.model_dir}")
+                    continue
+                if files[name] not in handles:
+                    handles[files[name]] = stack.enter_context(safe_open(files[name], framework="pt"))
+                start = sum(layout[name][:self.rank])
+                want = handles[files[name]].get_slice(name)[start:start + mine.shape[0]].to(mine.dtype)
+                if not same_bits(mine, want):
+                    out.append(f"{name}: rank {self.rank}'s rows {start}..{start + mine.shape[0] - 1} differ")
+        return out
+
     # --- checkpoints
 
     def save(self, root: str, name: str, step: int) -> None:

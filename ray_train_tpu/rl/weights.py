@@ -203,6 +203,42 @@ def trainer_digests(shard: int, tensors: Mapping[str, torch.Tensor], layout: Map
     return out
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same dtype, shape and bytes (NaNs and signed
+    zeros included: no arithmetic comparison).
+
+    Example:
+        >>> same_bits(torch.tensor([0.0]), torch.tensor([-0.0])), same_bits(torch.ones(2), torch.ones(2))
+        (False, True)
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = _INT_VIEW[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def safetensors_files(model_dir: str) -> dict[str, str]:
+    """``{tensor name: safetensors file}`` of a Hugging Face directory: from its
+    ``model.safetensors.index.json`` if it has one, else every ``*.safetensors``
+    file's header."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    out = {}
+    for file in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        path = os.path.join(model_dir, file)
+        with safe_open(path, framework="pt") as handle:
+            out.update({name: path for name in handle.keys()})
+    return out
+
+
 def mismatches(trainer: Mapping[str, str], engine: Mapping[str, str]) -> list[str]:
     """Keys whose digests differ or that only one side holds, one line each."""
     out = [f"{n}: digest differs" for n in sorted(set(trainer) & set(engine)) if trainer[n] != engine[n]]

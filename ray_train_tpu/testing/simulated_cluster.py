@@ -108,7 +108,7 @@ class SimulatedTPUCluster:
         """The variables host `key` was started with (its raylet's, so its workers'),
         fault-injection overrides included; the defaults if it never started."""
         default = _tpu_vm_env if self.is_tpu_vm(*key) else _host_env
-        return dict(self._envs.get(tuple(key)) or default(self.topology, *key))
+        return dict(self._envs.get(tuple(key)) or default(self._topologies.get(key[0], self.topology), *key))
 
     def is_tpu_vm(self, slice_id: int, worker_id: int) -> bool:
         """Whether the host is a TPU VM started with ``ray start`` (no GKE variables)."""
@@ -132,11 +132,28 @@ class SimulatedTPUCluster:
         for key in self.slice_hosts(slice_id):
             self.remove_host(*key)
 
-    def add_slice(self, slice_id: int) -> None:
-        """(Re)start every host of a slice, e.g. after `remove_slice`."""
-        for worker_id in range(self.topology.num_hosts):
+    def add_slice(self, slice_id: Optional[int] = None, *, topology: Optional[str] = None) -> int:
+        """(Re)start every host of a slice, e.g. after `remove_slice`; or, with
+        `topology` instead of a slice id, start a new slice of that shape (the
+        cluster's accelerator type) beside the others, with the next free slice
+        id, and wait until its hosts have joined: a cluster of several slice
+        shapes, e.g. a two-host v4 ``"2x2x2"`` next to one-host ``"2x2x1"`` ones.
+        Returns the slice id."""
+        if (slice_id is None) == (topology is None):
+            raise ValueError(f"add_slice(slice_id={slice_id!r}, topology={topology!r}): give the slice id of a "
+                             "removed slice to restart it, or the topology of a new slice, e.g. topology='2x2x2'")
+        if topology is None:
+            topo = self._topologies.get(slice_id, self.topology)
+        else:
+            topo = Topology.parse(topology, self.topology.accelerator_type)
+            slice_id = 1 + max([self.num_slices - 1, *self._topologies, *(s for s, _ in self._nodes)])
+            self._topologies[slice_id] = topo
+        for worker_id in range(topo.num_hosts):
             if (slice_id, worker_id) not in self._nodes:
-                self.add_host(slice_id, worker_id)
+                self.add_host(slice_id, worker_id, topology=topo)
+        if topology is not None:
+            self.cluster.wait_for_nodes()
+        return slice_id
 
     def node_id(self, slice_id: int, worker_id: int) -> str:
         """Ray's node id (hex) of a host."""
@@ -225,14 +242,16 @@ class SimulatedTPUCluster:
         extra = _disk_env(self._disk, host_ip(slice_id, worker_id), self._ray_tmp)
         if stall_s:
             extra[C.RAY_TRAIN_TPU_SIMULATE_STALL_S] = str(stall_s)
+        topology = topology or self._topologies.get(slice_id, self.topology)
         self._nodes[key], self._envs[key] = _add_host(
-            self.cluster, topology or self.topology, slice_id, worker_id, self._cpus, extra,
+            self.cluster, topology, slice_id, worker_id, self._cpus, extra,
             env=env, labels=labels, resources=resources, tpu_vm=self.is_tpu_vm(slice_id, worker_id),
         )
         self.hosts[key] = host_ip(slice_id, worker_id)
 
     _cpus: int = 0
     _envs: dict = dataclasses.field(default_factory=dict, repr=False)
+    _topologies: dict = dataclasses.field(default_factory=dict, repr=False)  # slice id -> shape, where not `topology`
     tpu_vm: object = False  # True or the hosts that are TPU VMs started with `ray start` (`simulated_tpu_cluster`)
     _disk: str = ""  # the cluster's disks: hosts/<ip>/ (one per host, and the head's), shared/
     _ray_tmp: str = ""  # Ray's own temporary directory (sessions, sockets), the same for every host

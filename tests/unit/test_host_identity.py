@@ -212,3 +212,28 @@ def test_a_one_chip_engine_on_a_tpu_vm_finds_its_slice_from_rays_labels(worker, 
     assert check_chip_engine(slice_name="vm-a") == 1
     with pytest.raises(RuntimeError, match="meant for slice 'other' runs on slice 'vm-a' \\(TPU worker 1\\)"):
         check_chip_engine(slice_name="other")
+
+
+def test_a_new_slice_of_another_shape_gets_the_next_id_and_its_own_hosts_env(monkeypatch):
+    """SimulatedTPUCluster.add_slice(topology=...): a two-host v4 slice beside one-host
+    ones, numbered after every slice the cluster has, each host with its own slice's
+    variables; a call that names neither a slice nor a shape is refused."""
+    from ray_train_tpu.testing.simulated_cluster import SimulatedTPUCluster
+
+    class _Cluster:
+        def wait_for_nodes(self):
+            pass
+
+    sim = SimulatedTPUCluster(topology=Topology.parse("2x2x1", "TPU-V4"), num_slices=2, address="", hosts={},
+                              cluster=_Cluster())
+    started = []
+    monkeypatch.setattr(SimulatedTPUCluster, "add_host",
+                        lambda self, s, w, topology=None: started.append((s, w, topology.name)) or
+                        self._nodes.__setitem__((s, w), None))
+    for s in range(2):
+        sim._nodes[(s, 0)] = None
+    assert sim.add_slice(topology="2x2x2") == 2 and started == [(2, 0, "2x2x2"), (2, 1, "2x2x2")]
+    assert sim.host_env((2, 1))[C.TPU_WORKER_HOSTNAMES] == "127.0.3.1,127.0.3.2"
+    assert sim.host_env((2, 1))[C.TPU_TOPOLOGY] == "2x2x2" and sim.host_env((0, 0))[C.TPU_TOPOLOGY] == "2x2x1"
+    with pytest.raises(ValueError, match=r"add_slice\(slice_id=None, topology=None\).*topology='2x2x2'"):
+        sim.add_slice()

@@ -601,3 +601,37 @@ def test_the_temperature_correction_inside_the_lm_head_makes_no_full_logits_and_
     bound = 16 * torch.finfo(torch.float32).eps * (raw.abs().max().item() / t + 8.0)
     torch.testing.assert_close(chunked.engine_logprobs, naive.engine_logprobs, rtol=0, atol=bound)
     assert not hasattr(head, "__dict__") or "forward" not in head.__dict__  # the head's own forward again
+
+
+# --- the trainer starts from exactly model_dir's weights --------------------------------
+
+
+def _source_check(rank, world_size, model_dir):
+    import torch.distributed as dist
+
+    from ray_train_tpu.rl.policy import PolicyWorker, _local
+
+    worker = PolicyWorker(model_dir, lr=1e-2, seed=3, algorithm=AlgorithmConfig())
+    worker.build()
+    rows = {n: _local(p).shape[0] for n, p in worker.model.named_parameters()}
+    every = [None] * world_size
+    dist.all_gather_object(every, rows)
+    layout = {n: [r[n] for r in every] for n in rows}
+    loaded = worker.source_mismatches(layout)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if rank == 1:  # the second shard: its rows start after rank 0's
+        with torch.no_grad():
+            _local(dict(worker.model.named_parameters())[name])[0, 3] += 2.0 ** -20
+    changed = worker.source_mismatches(layout)
+    return {"loaded": loaded, "changed": changed, "layout": layout[name], "num": len(layout)}
+
+
+def test_the_trainer_holds_model_dirs_weights_bit_for_bit_and_a_changed_bit_is_named(tiny_model):
+    """`PolicyWorker.source_mismatches` (GRPOLoop.check_source at start): each of 2
+    FSDP2 ranks compares its own rows of every parameter with the directory's
+    safetensors; a one-ulp-sized change in rank 1's shard is named, rank 0's is clean."""
+    results = gloo.run(_source_check, 2, tiny_model, simulate_tpu=True, timeout_s=240)
+    assert [r["loaded"] for r in results] == [[], []] and results[0]["num"] > 5
+    assert results[0]["layout"] == [64, 64]  # down_proj [128, 256] over 2 ranks
+    assert results[0]["changed"] == []
+    assert results[1]["changed"] == ["model.layers.1.mlp.down_proj.weight: rank 1's rows 64..127 differ"]
