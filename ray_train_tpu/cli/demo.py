@@ -10,6 +10,7 @@ the all_reduce over plain Ray actors, then trains a small model with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Optional, TextIO
@@ -52,12 +53,15 @@ def quiet_logs() -> None:
     logging.getLogger().setLevel(logging.WARNING)
 
 
-def run_config(storage_path: str, verbose: bool):
-    """The demo's RunConfig: Ray Train's console logs at WARNING unless verbose."""
+def run_config(storage_path: Optional[str], verbose: bool):
+    """The demo's RunConfig: Ray Train's console logs at WARNING unless verbose; a
+    run of its own (a new name each time) under `storage_path`, by default Ray
+    Train's (``~/ray_results``)."""
     import ray.train
 
     logging_config = None if verbose else ray.train.LoggingConfig(log_level="WARNING")
-    return ray.train.RunConfig(name="ray_train_tpu_demo", storage_path=storage_path, logging_config=logging_config)
+    name = time.strftime("ray_train_tpu_demo_%Y%m%d_%H%M%S_") + f"{os.getpid()}"
+    return ray.train.RunConfig(name=name, storage_path=storage_path, logging_config=logging_config)
 
 
 def _train_loop(config: dict) -> None:
@@ -185,7 +189,10 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
                 _train_loop,
                 train_loop_config={"steps": args.steps, "batch_size": 32, "verbose": verbose},
                 scaling_config=TPUScalingConfig(topology=topology.name, accelerator_type=topology.accelerator_type),
-                run_config=run_config(_storage(), verbose),
+                # Ray Train's default storage: outside every simulated host's own disk, so it
+                # stands for storage all hosts see (a bucket or NFS on a real cluster), and it
+                # outlives the cluster: the checkpoint printed below is still there.
+                run_config=run_config(None, verbose),
                 strategy=args.strategy,
             )
             fit_start = time.perf_counter()
@@ -202,9 +209,3 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out.write(f"demo finished in {time.perf_counter() - start:.0f} s (SIMULATED: 'tpu' device over CPU memory, gloo)\n")
     out.flush()  # the summary reaches a pipe or a log now, not when the interpreter exits
     return 0
-
-
-def _storage() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="ray_train_tpu_demo_")

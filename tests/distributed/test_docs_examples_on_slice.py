@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import os
 import re
 import time
 
@@ -119,6 +120,10 @@ def test_demo_output_is_quiet(clusters, capfd):
     assert main(["demo", "--topology", "2x2x1", "--accelerator-type", "TPU-V4", "--steps", "3"]) == 0
     out = _forwarded(capfd, "step   3")
     assert "SIMULATED" in out and "trained 3 steps" in out and "demo finished" in out
+    # its checkpoint is on storage every host sees, and outlives the cluster (whose host disks are gone)
+    (checkpoint,) = re.findall(r"; checkpoint: (\S+)\n", out)
+    assert os.path.isfile(os.path.join(checkpoint, "model.pt")), checkpoint
+    assert "/hosts/" not in checkpoint, checkpoint
     assert [n for n in (1, 2, 3) if f"[SIMULATED] step   {n}" not in out] == []
     # A late dedup summary ("[repeated Nx across cluster]") of an earlier example's
     # lines may still arrive during the demo; it names that example's worker, not the
