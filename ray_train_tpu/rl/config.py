@@ -269,7 +269,8 @@ class GRPOConfig:
         owned = sorted(set(self.engine_kwargs) & _ENGINE_ARGS_OWNED)
         if owned:
             raise ValueError(f"GRPOConfig(engine_kwargs) sets {owned}, which GRPOConfig sets itself; use its fields "
-                             "(tensor_parallel_size, engine_dtype, max_model_len, seed) instead")
+                             "(tensor_parallel_size, engine_dtype, max_model_len, seed) instead (the engines always "
+                             "run eager, without prefix caching, with max_num_seqs from num_prompts x n)")
 
     def _check_counts(self, w: str) -> None:
         for name, low, high in (("num_prompts", 1, 1 << 20), ("checkpoint_every", 1, 1 << 30),
@@ -293,4 +294,4 @@ class GRPOConfig:
 # vllm.LLM arguments GRPOConfig sets from its own fields.
 _ENGINE_ARGS_OWNED = frozenset({"model", "tensor_parallel_size", "dtype", "max_model_len", "seed",
                                 "distributed_executor_backend", "worker_extension_cls", "weight_transfer_config",
-                                "logprobs_mode"})
+                                "logprobs_mode", "enforce_eager", "max_num_seqs", "enable_prefix_caching"})

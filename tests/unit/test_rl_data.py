@@ -322,6 +322,7 @@ def test_simulated_coordinates_give_ray_every_host_and_two_halves_that_are_boxes
     (dict(on_reward_error="ignore"), "on_reward_error"),
     (dict(lr=0), "lr"),
     (dict(engine_kwargs={"tensor_parallel_size": 2}), "engine_kwargs"),
+    (dict(engine_kwargs={"enforce_eager": True}), r"engine_kwargs\) sets \['enforce_eager'\].*always run eager"),
     (dict(algorithm=AlgorithmConfig(), sampling=None), "sampling"),
 ])
 def test_grpo_config_names_the_bad_field(tmp_path, kwargs, match):
