@@ -46,6 +46,8 @@ CLAIMS = {
         _get("rl_phases", "overlap_100m.median_s.sync_s"), _get("rl_phases", "overlap_100m.median_s.step_s")),
     "fsdp2 state vs ddp / world": lambda: "| {:.2f} x | <= 1.1 x: met |".format(
         _get("strategy_memory", "fsdp2_target.measured")),
+    "chip memory per strategy": lambda: "chip peak per rank {} MiB (DDP / FSDP2 / TP / FSDP2+TP)".format(
+        " / ".join(f"{r['max_device_peak_bytes'] / 2**20:.1f}" for r in _get("strategy_memory", "rows"))),
     "log-probs: chunked vs naive": lambda: "{:.0f} MiB against {:.0f} MiB ({})".format(
         _get("logprob_memory", "at_tokens.chunked_mib"), _get("logprob_memory", "at_tokens.naive_mib_extrapolated"),
         _pct(_get("logprob_memory", "at_tokens.ratio"), 1)),
