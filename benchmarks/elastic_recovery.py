@@ -82,6 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def global_batch(topology: str, accelerator_type: str) -> int:
+    """A global batch that 2 and 3 slices' workers both divide: 6 per worker of a slice."""
+    from ray_train_tpu.topology import Topology
+
+    return 6 * Topology.parse(topology, accelerator_type).num_devices
+
+
 # Worker side ------------------------------------------------------------------------
 
 
@@ -104,7 +111,7 @@ def _train(config):
     model = ray_train_tpu.prepare_model(nn.Sequential(nn.Linear(512, hidden), nn.Tanh(), nn.Linear(hidden, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.utils.data.TensorDataset(torch.randn(6000, 512), torch.randn(6000, 1))
-    loader = stateful_dataloader(data, global_batch_size=6, seed=0)
+    loader = stateful_dataloader(data, global_batch_size=config["global_batch"], seed=0)
     t_built = time.time()
     info = checkpoint.restore(model=model, optimizer=opt, dataloader=loader)
     t_restored, step = time.time(), (0 if info is None else info.step)
@@ -209,7 +216,8 @@ def measure(args: argparse.Namespace) -> list:
         watch = _PlacementWatch()
         watch.start()
         trainer = TPUTorchTrainer(
-            _train, train_loop_config={"out": str(out), "param_mib": args.param_mib, "every": args.checkpoint_every},
+            _train, train_loop_config={"out": str(out), "param_mib": args.param_mib, "every": args.checkpoint_every,
+                                       "global_batch": global_batch(args.topology, args.accelerator_type)},
             scaling_config=TPUScalingConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                                             num_slices=(2, 3), elastic_resize_monitor_interval_s=args.monitor_interval_s),
             torch_config=TPUTorchConfig(),
