@@ -137,10 +137,12 @@ def this_host() -> HostIdentity:
     from GKE's variables where set, else from Ray's node labels (on a TPU VM
     started with ``ray start``, Ray reads them from the GCE metadata server).
     Where both are set and disagree, the variable wins and a warning names
-    both, once per process (`discovery.host_identity`; docs/environment.md)."""
+    both, once per process (`discovery.host_identity`; docs/environment.md).
+    In a process not connected to Ray (vLLM's engine-core process; a direct
+    call), the variables alone: asking Ray's runtime context would connect."""
     import ray
 
-    labels = dict(ray.get_runtime_context().get_node_labels() or {})
+    labels = dict(ray.get_runtime_context().get_node_labels() or {}) if ray.is_initialized() else {}
     identity = resolve_host_identity(_environ.copy(), labels)
     for conflict in identity.conflicts:
         if conflict not in _WARNED:

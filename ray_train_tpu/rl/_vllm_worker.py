@@ -15,7 +15,6 @@ import concurrent.futures
 import logging
 from typing import Callable
 
-from ray_train_tpu import _environ
 from ray_train_tpu._compat import vllm as compat_vllm
 from ray_train_tpu.rl import weights as W
 
@@ -76,14 +75,10 @@ class WeightSyncExtension:
         """This worker's rank, TP rank, host and chip (for the engine's place check)."""
         import ray
 
-        from ray_train_tpu.discovery import host_identity
+        from ray_train_tpu._worker_fns import this_host
 
         ctx = ray.get_runtime_context()
-        # GKE's variable, else Ray's label (a TPU VM started with `ray start` has only the
-        # label). A one-chip engine's worker may run in vLLM's engine-core process, which
-        # is not connected to Ray: there the variables alone.
-        labels = dict(ctx.get_node_labels() or {}) if ray.is_initialized() else {}
-        identity = host_identity(_environ.copy(), labels)
+        identity = this_host()  # GKE's variable, else Ray's label (a TPU VM has only the label)
         return {**compat_vllm.worker_place(self), "node_ip": ray.util.get_node_ip_address(),
                 "chips": [int(c) for c in ctx.get_accelerator_ids().get("TPU", [])],
                 "worker_id": identity.worker_id, "slice_name": identity.slice_name}

@@ -229,16 +229,10 @@ def simulated_chip_coords() -> list:
     real v4/v5p slice is untested."""
     import socket
 
-    import ray
-
-    from ray_train_tpu import _environ
-    from ray_train_tpu.discovery import host_identity
+    from ray_train_tpu._worker_fns import this_host
     from ray_train_tpu.topology import generation_of_pod_type
 
-    # GKE's variables, else Ray's labels (a simulated TPU VM has only the labels); outside
-    # a Ray worker, the variables alone (asking Ray's runtime context would connect)
-    labels = dict(ray.get_runtime_context().get_node_labels() or {}) if ray.is_initialized() else {}
-    identity = host_identity(_environ.copy(), labels)
+    identity = this_host()  # GKE's variables, else Ray's labels (a simulated TPU VM has only the labels)
     topo = Topology.parse(identity.topology, generation_of_pod_type(identity.pod_type))
     worker = int(identity.worker_id)
     dims = len(topo.name.split("x"))

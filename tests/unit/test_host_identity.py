@@ -140,6 +140,7 @@ def worker(monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setattr(ray, "get_runtime_context", lambda: _Context(labels))
+        monkeypatch.setattr(ray, "is_initialized", lambda: True)  # a Ray worker is connected
         return _worker_fns.report()
 
     return run
