@@ -97,8 +97,8 @@ def sim():
             cluster.add_host(2, w, topology=big)
         cluster.cluster.wait_for_nodes()
         yield cluster
-    for loop in KeptLoop.kept:
-        loop.shutdown()
+        for loop in KeptLoop.kept:  # while the cluster is up (after it, Ray calls would start a local one)
+            loop.shutdown()
 
 
 @pytest.fixture
