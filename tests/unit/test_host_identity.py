@@ -5,6 +5,7 @@ the simulated TPU VM's metadata here, not a copy of its rules."""
 
 import json
 import logging
+import types
 
 import pytest
 import ray
@@ -113,8 +114,19 @@ def test_the_worker_setup_hook_answers_for_its_own_host_only(monkeypatch):
 
 
 class _Context:
+    """What a Ray worker's runtime context answers, including what Ray's log filter
+    (``ray._common.filters``) asks of a connected process when a warning is logged."""
+
+    worker = types.SimpleNamespace(mode=None)  # not ray.WORKER_MODE: no task fields asked
+
     def __init__(self, labels, tpu_ids=("1",)):
         self.labels, self.tpu_ids = labels, list(tpu_ids)
+
+    def get_job_id(self):
+        return "01000000"
+
+    def get_worker_id(self):
+        return "w1"
 
     def get_accelerator_ids(self):
         return {"TPU": self.tpu_ids}
