@@ -61,7 +61,7 @@ from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
 __all__ = [
-    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "available_tpus_per_node", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
+    "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
     "build_openai_app", "build_processor", "engine_stage", "place_engines", "use_placement_group",
     "vLLMEngineProcessorConfig", "vLLMEngineStageUDF",
 ]
@@ -97,8 +97,10 @@ def engine_stage(processor: Any) -> Any:
 def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], dict], **udf_kwargs: Any) -> None:
     """Run the processor's engines as `udf_cls` (a `vLLMEngineStageUDF`
     subclass, given `udf_kwargs` too), each in the placement group that
-    `remote_args_fn` returns the scheduling strategy of. The engine actor itself
-    asks for no CPU: it runs in its slice, whose bundles hold only chips."""
+    `remote_args_fn` returns the scheduling strategy of (and, for an engine
+    holding its one chip, that chip). The engine actor asks for no CPU (it runs
+    in its slice, whose bundles hold only chips) and no GPU (Ray Data LLM gives
+    a one-device engine ``num_gpus=1``, its "uni" executor's device)."""
     if not issubclass(udf_cls, vLLMEngineStageUDF):
         raise TypeError(f"{udf_cls!r} must subclass Ray Data LLM's vLLMEngineStageUDF")
     stage = engine_stage(processor)
@@ -106,6 +108,7 @@ def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], di
     stage.fn_constructor_kwargs.update(udf_kwargs)
     stage.map_batches_kwargs["ray_remote_args_fn"] = remote_args_fn
     stage.map_batches_kwargs["num_cpus"] = 0
+    stage.map_batches_kwargs["num_gpus"] = 0
 
 
 class _ReservedTPU(TPUAccelerator):
@@ -123,14 +126,6 @@ class _ReservedTPU(TPUAccelerator):
         release, self._release = self._release, None
         if release is not None:
             release()
-
-
-def available_tpus_per_node() -> dict:
-    """Free TPU of every node, by node id (Ray's ``available_resources_per_node``,
-    private; what its own sub-slice search reads)."""
-    from ray._private.state import available_resources_per_node
-
-    return {node: res.get("TPU", 0) for node, res in available_resources_per_node().items()}
 
 
 def use_placement_group(llm_config: Any, placement_group: Any, release: Callable[[], None]) -> None:

@@ -173,3 +173,11 @@ def uninstall_slice_reservation() -> None:
     """Give Ray back its own slice reservation."""
     ray_util_tpu.reserve_tpu_slice = _ORIGINAL_RESERVE
     ray_accel_tpu.fetch_tpu_slice_name_from_pg = _ORIGINAL_FETCH
+
+
+def available_tpus_per_node() -> dict:
+    """Free TPU of every node, by node id (Ray's ``available_resources_per_node``,
+    private; what its own sub-slice search reads)."""
+    from ray._private.state import available_resources_per_node
+
+    return {node: res.get("TPU", 0) for node, res in available_resources_per_node().items()}

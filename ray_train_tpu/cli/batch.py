@@ -1,5 +1,7 @@
 """``python -m ray_train_tpu batch``: prompts from a file through Ray Data LLM's
-vLLM engine, one engine per whole TPU slice; one JSON line out per prompt.
+vLLM engine, one engine per whole TPU slice or, with ``--engine-shape``, one per
+piece of a slice (``--plan`` prints the piece the model needs); one JSON line
+out per prompt.
 
     python -m ray_train_tpu batch --model /models/m --topology 4x4 --accelerator-type TPU-V6E \\
         --num-slices 2 --input prompts.jsonl --output out.jsonl --max-tokens 128
@@ -41,7 +43,11 @@ def register(subparsers, add_slice_args) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--tensor-parallel-size", type=int, help="default: sized to the slice and the model")
-    p.add_argument("--pipeline-parallel-size", type=int, help="default: the slice's devices / TP")
+    p.add_argument("--pipeline-parallel-size", type=int, help="default: the engine's devices / TP")
+    p.add_argument("--engine-shape",
+                   help='each engine\'s piece of a --topology slice, e.g. "1x1" (one v6e chip), "2x2x1" (one v4 '
+                        'host), so that several engines fill each slice (--engines-per-slice, default: as many '
+                        "as fit); --plan prints the one the model needs (default: the whole slice)")
     p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, as JSON")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per batch sent to an engine (default 32)")
     p.add_argument("--reserve-timeout-s", type=float,
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         engine_kwargs=_json_object("--engine-kwargs", args.engine_kwargs), batch_size=args.batch_size,
         simulate=args.simulate, reserve_timeout_s=args.reserve_timeout_s,
+        engine_shape=args.engine_shape, engines_per_slice=args.engines_per_slice,
     )
     from ray_train_tpu.cli import running
 
@@ -130,7 +137,8 @@ def _run(config, args, is_text: bool, out: TextIO, simulated: bool) -> int:
     elapsed = time.monotonic() - t0
     note = " (SIMULATED slices, CPU)" if simulated else ""
     out.write(f"{rows} prompts, {tokens} generated tokens in {elapsed:.1f} s ({rows / elapsed:.2f} prompts/s, "
-              f"{tokens / elapsed:.1f} tokens/s) on {config.num_slices} x {config.engine.spec.topology}{note}; "
+              f"{tokens / elapsed:.1f} tokens/s) on {config.num_slices} x {config.topology} ({config.num_engines} "
+              f"engine(s) of {config.engine.num_devices} device(s)){note}; "
               f"wrote {args.output}\n")
     return 0
 

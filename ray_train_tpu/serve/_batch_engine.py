@@ -1,12 +1,20 @@
-"""`SliceEngineUDF`: Ray Data LLM's vLLM engine actor for `batch`, laid out on
-the slice it runs in first (`_layout.lay_out`, as a Serve replica is; the slice
-was reserved by `batch.reserve_slice`), naming that slice on every row it
-returns."""
+"""`SliceEngineUDF`: Ray Data LLM's vLLM engine actor for `batch`, on what
+`batch.reserve_engine` reserved for it, naming its slice on every row it
+returns.
+
+- An engine of several devices is laid out on its placement group first
+  (`_layout.lay_out`, as a Serve replica is; a sub-slice plan for an
+  ``engine_shape`` piece), then vLLM's Ray executor starts one worker per chip.
+- An engine of one device holds its chip in this actor (`worker_check.check_chip_engine`,
+  as an RL rollout engine does): vLLM's worker runs in the engine core, which
+  inherits the chip's variables that Ray set for this actor.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from ray_train_tpu import constants as C
 from ray_train_tpu._compat import vllm as V
 from ray_train_tpu._compat.ray_llm import vLLMEngineStageUDF
 from ray_train_tpu.serve._layout import lay_out
@@ -16,15 +24,25 @@ logger = logging.getLogger(__name__)
 
 
 class SliceEngineUDF(vLLMEngineStageUDF):
-    """Ray Data LLM's vLLM engine on the actor's slice."""
+    """Ray Data LLM's vLLM engine on the actor's slice (or piece of one)."""
 
-    def __init__(self, *args, slice_topology: str, slice_accelerator_type: str, slice_column: str, **kwargs):
+    def __init__(self, *args, slice_topology: str, slice_accelerator_type: str, slice_column: str,
+                 sub_slice: bool = False, chip_in_actor: bool = False, **kwargs):
         import ray
 
         pg = ray.util.get_current_placement_group()
         if pg is None:
-            raise RuntimeError("a batch engine must run in its slice's placement group (reserve_slice)")
-        self.slice_plan = lay_out(pg, Topology.parse(slice_topology, slice_accelerator_type))
+            raise RuntimeError("a batch engine must run in its reservation's placement group (reserve_engine)")
+        if chip_in_actor:
+            from ray_train_tpu.serve.worker_check import check_chip_engine
+
+            labels = dict(ray.get_runtime_context().get_node_labels() or {})
+            self.slice_name = labels.get(C.LABEL_TPU_SLICE_NAME)
+            chip = check_chip_engine(slice_name=self.slice_name)
+            logger.info("one-chip engine on slice %s, chip %d", self.slice_name, chip)
+        else:
+            plan = lay_out(pg, Topology.parse(slice_topology, slice_accelerator_type), sub_slice=sub_slice)
+            self.slice_name = plan.slice_name
         self.slice_column = slice_column
         super().__init__(*args, **kwargs)
 
@@ -37,5 +55,5 @@ class SliceEngineUDF(vLLMEngineStageUDF):
 
     async def udf(self, batch):
         async for row in super().udf(batch):
-            row[self.slice_column] = self.slice_plan.slice_name
+            row[self.slice_column] = self.slice_name
             yield row

@@ -50,8 +50,12 @@ class SimulatedTPUPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        apply_executor_rule(vllm_config.parallel_config)
-        super().check_and_update_config(vllm_config)  # may make "uni" "mp" (vLLM's CPU backend needs it)
+        chosen = apply_executor_rule(vllm_config.parallel_config)
+        super().check_and_update_config(vllm_config)
+        # vLLM's CPU platform makes "uni" "mp" when the engine core has a process of
+        # its own (OMP set up in a fresh process); vllm-torchtpu keeps "uni" there,
+        # the worker in the engine core (no thread binding in simulation).
+        vllm_config.parallel_config.distributed_executor_backend = chosen
         V.replace_worker_cls(vllm_config, V.CPU_WORKER, SLICE_WORKER)
         apply_logprobs_rule(vllm_config.model_config)
 
@@ -60,14 +64,15 @@ class SimulatedTPUPlatform(CpuPlatform):
         R.validate_request(params)
 
 
-def apply_executor_rule(parallel) -> None:
+def apply_executor_rule(parallel) -> str:
     """The executor vllm-torchtpu would pick (`_torchtpu_rules.simulated_executor`),
-    whatever ``distributed_executor_backend`` said."""
+    whatever ``distributed_executor_backend`` said; returns it."""
     chosen = R.simulated_executor(parallel)
     if parallel.distributed_executor_backend not in (None, chosen):
         logger.info("distributed_executor_backend %r ignored: vllm-torchtpu picks its executor from %s "
                     "(simulated: %r)", parallel.distributed_executor_backend, R.MULTIHOST_BACKEND_ENV, chosen)
     parallel.distributed_executor_backend = chosen
+    return chosen
 
 
 def apply_logprobs_rule(model_config) -> None:

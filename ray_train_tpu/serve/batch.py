@@ -1,12 +1,18 @@
 """Batch inference on TPU slices: a Ray Dataset of prompts through Ray Data
-LLM's vLLM processor (``ray.data.llm``), one engine per whole slice.
+LLM's vLLM processor (``ray.data.llm``), one engine per whole slice or
+several per slice (``engine_shape``, the layout planner's sub-slices).
 
-Each engine owns one slice, one vLLM worker per device (TP x PP = the slice's
-devices, across its hosts), laid out as a serving replica is: per-chip
-bundles of Ray's ``SlicePlacementGroup``, ranks in TPU-worker-id order, every
-worker's environment checked before its device starts, the same vLLM platform
-plugin. As many engines as ``num_slices``; Ray Data spreads the batches over
-them and retries a batch whose engine died (the engine restarts on its slice).
+An engine of several devices owns its slice (or its ``engine_shape`` piece of
+one), one vLLM worker per device (TP x PP = the piece's devices, across its
+hosts), laid out as a serving replica is: one ``{"TPU": 1}`` bundle per chip
+(Ray's ``SlicePlacementGroup`` for a whole slice, `pieces.reserve_engine_slice`
+for a piece), ranks in TPU-worker-id order, every worker's environment checked
+before its device starts, the same vLLM platform plugin. An engine of one
+device holds its chip in its own actor and runs vLLM's worker in its engine
+core (as vllm-torchtpu does for one device, and as an RL rollout engine does):
+no Ray executor, no worker actors. ``num_slices`` x ``engines_per_slice``
+engines; Ray Data spreads the batches over them and retries a batch whose
+engine died (the engine restarts in its reservation).
 Every output row carries the input row's columns, ``generated_text``,
 ``generated_token_ids``, ``num_input_tokens``, ``num_generated_tokens`` and
 ``slice`` (the slice that served it).
@@ -54,8 +60,13 @@ class BatchConfig:
 
     Args:
         model: Hugging Face model directory (as every TPU host sees it) or id.
-        topology, accelerator_type: each engine's slice, e.g. ``"4x4"``, ``"TPU-V6E"``.
-        num_slices: engines, one whole slice each.
+        topology, accelerator_type: the slices, e.g. ``"4x4"``, ``"TPU-V6E"``.
+        num_slices: slices the job fills.
+        engine_shape: each engine's piece of a slice (``"1x1"``: one v6e chip,
+            ``"2x2x1"``: one v4 host, ...; ``batch --plan`` prints the one the
+            model needs); default: one engine per whole slice.
+        engines_per_slice: engines on each slice; default: as many
+            ``engine_shape`` pieces as one slice holds.
         prompt_column: the dataset's column of prompt texts.
         max_tokens, temperature: vLLM sampling; ``temperature=0`` is greedy.
         sampling_params: more ``vllm.SamplingParams`` fields (``top_p``,
@@ -93,6 +104,8 @@ class BatchConfig:
     runtime_env: Optional[Mapping[str, Any]] = None
     simulate: Optional[bool] = None
     reserve_timeout_s: Optional[float] = None
+    engine_shape: Optional[str] = None
+    engines_per_slice: Optional[int] = None
 
     def __post_init__(self):
         V.check_num_slices(_WHERE, self.num_slices)
@@ -122,7 +135,14 @@ class BatchConfig:
         engine = slice_engine(self.model, self.topology, self.accelerator_type,
                               tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
-                              engine_kwargs=self.engine_kwargs, simulate=self.simulate)
+                              engine_kwargs=self.engine_kwargs, simulate=self.simulate,
+                              engine_shape=self.engine_shape, chip_in_actor=True)
+        pieces = engine.spec.shape.count if hasattr(engine.spec, "engine_shape") else 1
+        if self.engines_per_slice is not None:
+            V.check_int(_WHERE, "engines_per_slice", self.engines_per_slice, min=1, max=pieces,
+                        fix=f"at most {pieces} {self.engine_shape or self.topology} engine(s) fit one "
+                            f"{self.topology} slice; give engine_shape for several")
+        object.__setattr__(self, "engines_per_slice", self.engines_per_slice or pieces)
         context = engine.engine_kwargs.get("max_model_len") or model_context_length(self.model)
         if context is not None and self.max_tokens >= context:
             raise V.fail(_WHERE, "max_tokens", self.max_tokens,
@@ -134,6 +154,10 @@ class BatchConfig:
     def engine(self) -> SliceEngine:
         """The checked engine of every slice (TP x PP, engine arguments, environment)."""
         return self._engine
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_slices * self.engines_per_slice
 
     @property
     def sampling(self) -> dict:
@@ -191,7 +215,7 @@ class SliceBatchProcessor:
             model_source=cfg.model,
             engine_kwargs=engine.engine_kwargs,
             runtime_env=with_env(cfg.runtime_env, env),
-            concurrency=(cfg.num_slices, cfg.num_slices),
+            concurrency=(cfg.num_engines, cfg.num_engines),
             batch_size=cfg.batch_size,
             max_concurrent_batches=cfg.max_concurrent_batches,
             chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
@@ -203,12 +227,13 @@ class SliceBatchProcessor:
             preprocess=lambda row: {"prompt": row[prompt], "sampling_params": sampling},
             postprocess=functools.partial(_output_row, columns),
         )
+        sub = hasattr(engine.spec, "engine_shape")
         R.place_engines(
             processor, _batch_engine.SliceEngineUDF,
-            functools.partial(reserve_slice, self.job, engine.spec.topology,
-                              engine.spec.accelerator_type, engine.strategy, timeout_s=cfg.reserve_timeout_s),
-            slice_topology=engine.spec.topology, slice_accelerator_type=engine.spec.accelerator_type,
-            slice_column=SLICE_COLUMN,
+            functools.partial(reserve_engine, self.job, engine, timeout_s=cfg.reserve_timeout_s),
+            slice_topology=engine.spec.engine.name if sub else engine.spec.topology,
+            slice_accelerator_type=engine.spec.accelerator_type, slice_column=SLICE_COLUMN,
+            sub_slice=sub, chip_in_actor=engine.chip_in_actor,
         )
         return processor
 
@@ -233,6 +258,57 @@ def run_batch(config: BatchConfig, dataset: Any) -> Any:
 # batch job id -> its SlicePlacementGroup handles.
 _RESERVATIONS: dict[str, list] = {}
 _LOCK = threading.Lock()
+
+
+def reserve_engine(job: str, engine: SliceEngine, timeout_s: Optional[float] = None) -> dict:
+    """Reserve what one engine actor of `engine` runs on (a whole slice, or its
+    ``engine_shape`` piece of one) and return the actor's remote arguments: the
+    placement group's scheduling strategy and, for an engine that holds its one
+    chip itself (`SliceEngine.chip_in_actor`), that chip."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = engine.spec
+    if hasattr(spec, "engine_shape"):
+        handle = _reserve_piece(job, spec, engine.simulated, timeout_s)
+        pg = handle.placement_group
+    else:
+        strategy = reserve_slice(job, spec.topology, spec.accelerator_type, engine.strategy, timeout_s=timeout_s)
+        pg = strategy["scheduling_strategy"].placement_group
+    if not engine.chip_in_actor:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+    return {"resources": {"TPU": 1},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+
+
+class _Piece:
+    """A sub-slice engine's placement group, released as a slice's is."""
+
+    def __init__(self, pg):
+        self.placement_group = pg
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+
+
+def _reserve_piece(job: str, spec, simulated: bool, timeout_s: Optional[float]) -> _Piece:
+    from ray_train_tpu.serve.pieces import reserve_engine_slice
+
+    with _LOCK:
+        handles = _RESERVATIONS.setdefault(job, [])
+        try:
+            pg = reserve_engine_slice(spec, name=f"{job}-engine-{len(handles)}", simulated=simulated,
+                                      timeout_s=timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"no free {spec.engine_shape} piece of a {spec.accelerator_type} {spec.topology} slice within "
+                f"BatchConfig(reserve_timeout_s={timeout_s}) for engine {len(handles)} of batch job {job} (another "
+                "job holds the chips); raise reserve_timeout_s, or None to wait until one is free"
+            ) from e
+        handle = _Piece(pg)
+        handles.append(handle)
+    return handle
 
 
 def reserve_slice(job: str, topology: str, accelerator_type: str, strategy: str,
@@ -326,7 +402,8 @@ def _columns(dataset: Any) -> list:
 
 def _check_cluster(config: BatchConfig) -> None:
     """Refuse, before anything is reserved, a job the cluster has too few idle
-    slices for (intact and with every chip free: Ray's ``get_num_ready_tpu_slices``)."""
+    slices for (intact and with every chip free: Ray's ``get_num_ready_tpu_slices``;
+    engines on pieces of slices need ``num_slices`` idle slices too)."""
     import ray
     from ray.util.tpu import get_num_ready_tpu_slices, get_num_tpu_slices
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import TextIO
 
@@ -89,18 +88,18 @@ def add_plan_args(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def refuse_plan_only_flags(args: argparse.Namespace) -> None:
-    for flag, value in (("--engines-per-slice", args.engines_per_slice), ("--kv-cache-tokens", args.kv_cache_tokens),
-                        ("--num-parameters", args.num_parameters)):
+    flags = [("--kv-cache-tokens", args.kv_cache_tokens), ("--num-parameters", args.num_parameters)]
+    if args.plan_command == "serve":  # batch runs --engines-per-slice engines on each slice
+        flags.insert(0, ("--engines-per-slice", args.engines_per_slice))
+    for flag, value in flags:
         if value is not None:
-            raise ValueError(f"{flag} {value} is a layout planner option: give it with --plan ({args.plan_command} "
-                             "runs one engine per whole slice)")
+            raise ValueError(f"{flag} {value} is a layout planner option: give it with --plan")
 
 
 def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None) -> int:
-    """``--plan``: the layout planner's layout, and what ``serve``/``batch`` run today."""
+    """``--plan``: the layout planner's layout, and the ``serve``/``batch`` flags that run it."""
     from ray_train_tpu.serve import layout_planner as L
     from ray_train_tpu.serve.models import model_config
-    from ray_train_tpu.serve.spec import ModelShape, SliceServeSpec
 
     source, _ = _model_source(args.model)
     config = model_config(source)
@@ -119,24 +118,13 @@ def show_plan(args: argparse.Namespace, out: TextIO, engine_kwargs: dict | None)
     if plan.whole_slice:
         out.write(f"{command} runs this layout: one engine per {topo.name} slice\n")
         return 0
+    n = plan.engines_per_slice
     if command == "serve":
-        n = plan.engines_per_slice
         out.write(f"serve runs this layout with --engine-shape {plan.engine_shape} --num-replicas {n} "
                   f"({n} replicas fill one {topo.name} slice; or autoscale in {plan.engine_shape} pieces)\n")
         return 0
-    # Batch engines on sub-slices are not built yet: a batch engine owns a whole slice.
-    try:
-        whole = SliceServeSpec(accelerator_type=topo.accelerator_type, topology=topo.name,
-                               model=dataclasses.replace(ModelShape.from_config(config, source=args.model),
-                                                         footprint=plan.model))
-        today = f"TP {whole.tensor_parallel_size} x PP {whole.pipeline_parallel_size}"
-    except ValueError as e:
-        today = f"no layout ({e})"
-    out.write(f"{command} today runs one engine per whole slice ({today} on {topo.name}); engines on sub-slices "
-              "are planned, not run by batch yet.\n")
-    if plan.engine_shape in topo.generation.topologies:
-        out.write(f"to run engines of this size now, use {plan.engine_shape} slices: --topology "
-                  f"{plan.engine_shape} --num-slices {plan.engines_per_slice}\n")
+    out.write(f"batch runs this layout with --engine-shape {plan.engine_shape} --engines-per-slice {n} "
+              f"({n} engines on each {topo.name} slice)\n")
     return 0
 
 

@@ -44,9 +44,16 @@ class SliceEngine:
     """What a vLLM engine on one slice runs with."""
 
     spec: SliceServeSpec  # or, for an engine on a sub-slice, a `subslice.SubsliceServeSpec`
-    engine_kwargs: dict  # vLLM engine arguments, TP/PP and the Ray executor included
+    engine_kwargs: dict  # vLLM engine arguments, TP/PP and the executor included
     env: dict  # environment of the engine and its workers
     simulated: bool
+    # One device, held by the engine's own actor: vLLM's worker runs in the
+    # engine core (no Ray executor, no worker actors; `slice_engine(chip_in_actor=)`).
+    chip_in_actor: bool = False
+
+    @property
+    def num_devices(self) -> int:
+        return self.spec.tensor_parallel_size * self.spec.pipeline_parallel_size
 
     @property
     def strategy(self) -> str:
@@ -96,11 +103,17 @@ def slice_engine(
     engine_kwargs: Optional[Mapping[str, Any]] = None,
     simulate: Optional[bool] = None,
     engine_shape: Optional[str] = None,
+    chip_in_actor: bool = False,
 ) -> SliceEngine:
     """Check and complete one slice engine's configuration (ValueError naming
     the field, value, rule and fix when it cannot run). ``engine_shape``: the
     engine runs on that piece of a `topology` slice (`subslice`), not on a
-    whole one (the slice's own topology is a whole one)."""
+    whole one (the slice's own topology is a whole one). ``chip_in_actor``: an
+    engine of one device runs its vLLM worker in its own engine core, in the
+    actor that holds the chip (vllm-torchtpu's choice for one device without
+    ``TPU_MULTIHOST_BACKEND``: `_torchtpu_rules.torchtpu_executor`), as a
+    one-chip RL rollout engine does; an engine of more devices ignores it and
+    keeps vLLM's Ray executor."""
     kwargs = dict(engine_kwargs or {})
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size)):
@@ -108,7 +121,7 @@ def slice_engine(
             raise ValueError(f"{name} is {value!r} but engine_kwargs[{name!r}] is {kwargs[name]!r}; give it once")
         if value is not None:
             kwargs[name] = value
-    if kwargs.get("distributed_executor_backend", "ray") != "ray":
+    if kwargs.get("distributed_executor_backend", "ray") not in ("ray", None):
         raise ValueError(
             f"engine_kwargs distributed_executor_backend {kwargs['distributed_executor_backend']!r}: "
             "an engine's workers span the slice's hosts, which needs vLLM's Ray executor ('ray'); remove it"
@@ -126,17 +139,19 @@ def slice_engine(
     if spec is None:
         spec = SliceServeSpec(accelerator_type=accelerator_type, topology=topology, model=model_shape(model), **sizes)
         engine_topo = spec.parsed
+    in_actor = bool(chip_in_actor) and spec.tensor_parallel_size * spec.pipeline_parallel_size == 1
     kwargs.update(tensor_parallel_size=spec.tensor_parallel_size,
-                  pipeline_parallel_size=spec.pipeline_parallel_size, distributed_executor_backend="ray")
+                  pipeline_parallel_size=spec.pipeline_parallel_size,
+                  distributed_executor_backend="uni" if in_actor else "ray")
     simulated = simulate_default(simulate)
-    env = engine_env(simulated=simulated, ray_executor=True, offline=os.path.isdir(model),
+    env = engine_env(simulated=simulated, ray_executor=not in_actor, offline=os.path.isdir(model),
                      torch_tpu_topology=engine_topo.torch_tpu_topology)
     if simulated:
         problem = V.eager_pipeline_problem(kwargs, spec.pipeline_parallel_size)
         if problem:
             raise ValueError(problem)
         kwargs.setdefault("kv_cache_memory_bytes", SIMULATED_KV_CACHE_BYTES)
-    return SliceEngine(spec=spec, engine_kwargs=kwargs, env=env, simulated=simulated)
+    return SliceEngine(spec=spec, engine_kwargs=kwargs, env=env, simulated=simulated, chip_in_actor=in_actor)
 
 
 def with_env(runtime_env: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> dict:

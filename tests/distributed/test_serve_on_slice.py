@@ -350,6 +350,44 @@ def test_teardown_leaves_no_placement_group_or_actor(sim, base_url):
     assert live_pgs == [] and actors == []
 
 
+# --- batch engines on pieces of a slice (issue 33 item 3), once the whole-slice app is gone ---
+
+BATCH_PIECE_ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
+                      "kv_cache_memory_bytes": 32 * 2**20}
+
+
+def test_batch_on_one_chip_pieces_of_a_slice_equals_one_worker(sim, model_dir, single_worker):
+    """Two one-chip engines on one 2x2x2 slice (engine_shape 1x1x1,
+    engines_per_slice=2): each holds its chip in its own actor and runs vLLM's
+    worker in its engine core (no vLLM worker actors), both on one host (best
+    fit), every row once and equal to one worker's greedy tokens."""
+    from ray.util.state import list_actors
+
+    from ray_train_tpu.serve.batch import BatchConfig, SliceBatchProcessor
+
+    _wait_for("the whole-slice app's slices released", lambda: not [
+        pg for pg in _pgs() if pg["state"] != "REMOVED" and any(b.get("TPU") for b in pg["bundles"].values())], 90)
+    config = BatchConfig(model=model_dir, topology=TOPOLOGY, accelerator_type=ACCEL, engine_shape="1x1x1",
+                         engines_per_slice=2, max_tokens=MAX_TOKENS, batch_size=2, max_concurrent_batches=1,
+                         engine_kwargs=BATCH_PIECE_ENGINE)
+    ds = ray.data.from_items([{"id": i, "prompt": PROMPT} for i in range(8)], override_num_blocks=4)
+    t0 = time.monotonic()
+    with SliceBatchProcessor(config) as processor:
+        rows = list(processor(ds).iter_rows())
+        groups = [pg for pg in _pgs("CREATED") if any(b.get("TPU") for b in pg["bundles"].values())]
+        engines = [a for a in list_actors(limit=1000, detail=True) if "SliceEngineUDF" in (a.class_name or "")]
+        vllm_workers = [a for a in list_actors(limit=1000, detail=True) if "WorkerProc" in (a.class_name or "")]
+    print(f"batch on two one-chip pieces: {len(rows)} rows in {time.monotonic() - t0:.0f} s")
+    assert sorted(r["id"] for r in rows) == list(range(8))
+    assert all(list(r["generated_token_ids"]) == single_worker["completion"] for r in rows), rows[0]
+    assert {r["slice"] for r in rows} <= {"sim-slice-0", "sim-slice-1"} and len({r["slice"] for r in rows}) == 1
+    assert sorted(len(pg["bundles"]) for pg in groups) == [1, 1]
+    assert len({n for pg in groups for n in pg["bundles_to_node_id"].values()}) == 1  # best fit: one host
+    assert len(engines) == 2 and all(a.required_resources.get("TPU") == 1 for a in engines), engines
+    assert vllm_workers == []
+    _wait_for("nothing reserved", lambda: not [pg for pg in _pgs() if pg["state"] != "REMOVED"], 60)
+
+
 # --- replicas on sub-slices (issue 33 item 2), on the same cluster once the whole-slice app is gone ---
 
 SUB_APP = "sub"

@@ -265,7 +265,7 @@ def test_batch_plan_prints_the_layout_without_input_or_output(tmp_path):
     code = cli.main(["batch", "--model", str(tmp_path), "--topology", "4x4", "--accelerator-type", "v5e", "--plan"],
                     out=out, err=err)
     assert code == 0 and "engine: TP 2 x PP 1 on 1x2" in out.getvalue(), err.getvalue()
-    assert "batch today runs one engine per whole slice (TP 16 x PP 1 on 4x4)" in out.getvalue()
+    assert "batch runs this layout with --engine-shape 1x2 --engines-per-slice 8" in out.getvalue()
     code = cli.main(["batch", "--model", str(tmp_path), "--topology", "4x4", "--accelerator-type", "v5e"],
                     out=out, err=err)
     assert code == 2 and "required: --input, --output (unless --plan)" in err.getvalue()

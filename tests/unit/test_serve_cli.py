@@ -121,6 +121,65 @@ def test_batch_config_is_one_engine_per_whole_slice(model_dir):
     assert one_host.engine.strategy == "STRICT_PACK"  # no slice label pins a one-host slice's bundles
 
 
+def test_batch_engines_on_pieces_of_a_slice_follow_the_engine_shape(model_dir):
+    chips = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", num_slices=2, engine_shape="1x1x1",
+                        simulate=True)
+    # One chip per engine: the engine's own actor holds it, vLLM's worker runs in its engine
+    # core (vllm-torchtpu's executor for one device without TPU_MULTIHOST_BACKEND).
+    assert (chips.engines_per_slice, chips.num_engines, chips.engine.num_devices) == (8, 16, 1)
+    assert chips.engine.chip_in_actor and chips.engine.engine_kwargs["distributed_executor_backend"] == "uni"
+    assert "TPU_MULTIHOST_BACKEND" not in chips.engine.env and chips.engine.env["RAY_TRAIN_TPU_SIMULATE"] == "1"
+    hosts = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="2x2x1",
+                        engines_per_slice=1, simulate=True)
+    assert (hosts.engines_per_slice, hosts.num_engines, hosts.engine.spec.tensor_parallel_size) == (1, 1, 4)
+    assert not hosts.engine.chip_in_actor and hosts.engine.env["TPU_MULTIHOST_BACKEND"] == "ray"
+    whole_chip = BatchConfig(model=model_dir, topology="1x1", accelerator_type="v6e", num_slices=2, simulate=True)
+    assert whole_chip.engine.chip_in_actor and whole_chip.num_engines == 2  # a one-chip slice: one chip, in the actor
+    with pytest.raises(ValueError, match=r"engines_per_slice=9\) must be an integer in 1..8.*at most 8 1x1x1"):
+        BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="1x1x1",
+                    engines_per_slice=9, simulate=True)
+    with pytest.raises(ValueError, match=r"engines_per_slice=2\) must be an integer in 1..1.*give engine_shape"):
+        BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engines_per_slice=2, simulate=True)
+    with pytest.raises(ValueError, match=r"engine_shape '2x2' is no piece.*valid: 1x1x1"):
+        BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="2x2", simulate=True)
+
+
+def test_an_engine_holding_its_chip_asks_for_it_in_its_reservation(model_dir, monkeypatch):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ray_train_tpu.serve import batch, pieces
+
+    asked = []
+
+    def piece(spec, *, name, simulated, timeout_s=None):
+        asked.append((spec.engine_shape, name, simulated, timeout_s))
+        return f"pg-{len(asked)}"
+
+    monkeypatch.setattr(pieces, "reserve_engine_slice", piece)
+    chips = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="1x1x1",
+                        simulate=True, reserve_timeout_s=30)
+    args = batch.reserve_engine("job-y", chips.engine, timeout_s=30)
+    assert args["resources"] == {"TPU": 1} and isinstance(args["scheduling_strategy"], PlacementGroupSchedulingStrategy)
+    assert args["scheduling_strategy"].placement_group == "pg-1"
+    assert args["scheduling_strategy"].placement_group_bundle_index == 0
+    hosts = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="2x2x1", simulate=True)
+    args = batch.reserve_engine("job-y", hosts.engine)
+    assert "resources" not in args and args["scheduling_strategy"].placement_group_capture_child_tasks
+    assert asked == [("1x1x1", "job-y-engine-0", True, 30), ("2x2x1", "job-y-engine-1", True, None)]
+    assert batch.reservations("job-y") == 2
+    batch._RESERVATIONS.pop("job-y")
+
+
+def test_a_piece_that_never_frees_fails_after_the_users_timeout(model_dir, monkeypatch):
+    from ray_train_tpu.serve import pieces
+
+    monkeypatch.setattr(pieces, "_try_part_of_host", lambda spec, name: None)
+    monkeypatch.setattr(pieces, "RETRY_S", 0.01)
+    chips = BatchConfig(model=model_dir, topology="2x2x2", accelerator_type="v4", engine_shape="1x1x1", simulate=True)
+    with pytest.raises(TimeoutError, match=r"no free 1x1x1 piece of a TPU-V4 2x2x2 slice within 0.05 s"):
+        pieces.reserve_engine_slice(chips.engine.spec, name="x", simulated=True, timeout_s=0.05)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
