@@ -9,12 +9,30 @@ import os
 # server here, and torch must not autoload torch_tpu.
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+import math
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Student's t, 0.975 quantile, for 1..30 degrees of freedom (the table every statistics text prints).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def geo_mean_ci(ratios: list) -> dict | None:
+    """Geometric mean of paired ratios and its 95% t-interval (on logs); None
+    with fewer than two ratios."""
+    logs = [math.log(r) for r in ratios if r and r > 0]
+    if len(logs) < 2:
+        return None
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = _T975[min(len(logs) - 1, len(_T975)) - 1] * sd / math.sqrt(len(logs))
+    return {"ratio": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)], "pairs": len(logs),
+            "per_pair": [math.exp(x) for x in logs]}
 
 
 def environment(simulated: bool) -> dict:

@@ -81,7 +81,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import environment, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
+from benchmarks._common import environment, geo_mean_ci, ship_to_ray_workers, write  # noqa: E402  (sets TPU_SKIP_MDS_QUERY first)
 from benchmarks import _callgrind  # noqa: E402
 from ray_train_tpu import constants as C  # noqa: E402
 
@@ -871,9 +871,6 @@ def cpu_verdict(ci: dict, limit: float) -> dict:
 
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (then ~normal).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
 
 
 def paired_ratio_ci(runs: list[dict], a: str, b: str, key: str) -> Optional[dict]:
@@ -884,13 +881,10 @@ def paired_ratio_ci(runs: list[dict], a: str, b: str, key: str) -> Optional[dict
     for r in runs:
         if r.get(key):
             by.setdefault(r.get("repeat"), {})[r["launcher"]] = r[key]
-    logs = [math.log(v[a] / v[b]) for v in by.values() if a in v and b in v]
-    if len(logs) < 2:
+    found = geo_mean_ci([v[a] / v[b] for v in by.values() if a in v and b in v])
+    if found is None:
         return None
-    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
-    half = _T975[min(len(logs) - 1, len(_T975)) - 1] * sd / math.sqrt(len(logs))
-    return {"ratio": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)], "pairs": len(logs),
-            "per_repeat": [math.exp(x) for x in logs]}
+    return {"ratio": found["ratio"], "ci95": found["ci95"], "pairs": found["pairs"], "per_repeat": found["per_pair"]}
 
 
 # What must match for repeats of different runs to be pooled: the loop, the

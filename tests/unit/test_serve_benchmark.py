@@ -70,11 +70,23 @@ def _run(rows_per_s, tokens_per_s):
     return {"job": part, "steady": dict(part)}
 
 
-def test_batch_summary_is_the_median_pair_ratio_of_the_whole_job():
+def test_batch_summary_judges_the_geometric_mean_pair_ratio_of_the_whole_job_with_its_interval():
+    import math
+
     pairs = [(_run(9.5, 300.0), _run(10.0, 320.0)), (_run(8.0, 280.0), _run(10.0, 300.0)),
              (_run(12.0, 330.0), _run(10.0, 300.0))]
     s = bt.summarize(pairs)
     assert s["job_batch_vs_offline_rows_per_s"] == pytest.approx(0.95)  # median of 0.8, 0.95, 1.2
-    assert s["job_rows_per_s_ratios"] == pytest.approx([0.8, 0.95, 1.2]) and s["meets_goal"]
-    s = bt.summarize(pairs[:2])  # even count: the mean of the middle two
+    assert s["job_rows_per_s_ratios"] == pytest.approx([0.8, 0.95, 1.2])
+    geo = (0.8 * 0.95 * 1.2) ** (1 / 3)
+    assert s["job_rows_per_s_geomean"] == pytest.approx(geo) and s["meets_goal"]
+    logs = [math.log(r) for r in (0.8, 0.95, 1.2)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    low, high = s["job_rows_per_s_ci95"]
+    assert low == pytest.approx(math.exp(mean - 4.303 * sd / math.sqrt(3)))  # t(0.975, 2 df) = 4.303
+    assert high == pytest.approx(math.exp(mean + 4.303 * sd / math.sqrt(3)))
+    assert not s["meets_goal_at_95"]  # the interval reaches below 0.9
+    s = bt.summarize(pairs[:2])  # even count: the median is the mean of the middle two
     assert s["job_batch_vs_offline_rows_per_s"] == pytest.approx(0.875) and not s["meets_goal"]
+    assert bt.summarize(pairs[:1])["job_rows_per_s_ci95"] is None  # one pair: no interval
