@@ -16,11 +16,33 @@ Example:
     ('dp_replicate', 'dp_shard', 'tp')
 """
 
+from ray_train_tpu.strategies.base import STRATEGIES as _registered
 from ray_train_tpu.strategies.base import Strategy
-from ray_train_tpu.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, get_strategy, load_all
+from ray_train_tpu.strategies.registry import DEFAULT_STRATEGY, get_strategy, load_all
 
-load_all()
-globals().update({cls.__name__: cls for cls in STRATEGIES.values()})
+# The strategy classes (and the full ``STRATEGIES``) are looked up on first use, not
+# imported with the package: every Ray Train worker imports this package when it
+# unpickles its trainer's strategy, and FSDP2's and tensor parallelism's modules import
+# torch's DTensor and FSDP (with sympy, ~0.65 s of CPU per worker) that DDP never uses.
+_NAMES = ("DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "get_strategy")
 
-__all__ = sorted(["DEFAULT_STRATEGY", "STRATEGIES", "Strategy", "get_strategy",
-                  *(cls.__name__ for cls in STRATEGIES.values())])
+
+def __getattr__(name: str):
+    if name == "STRATEGIES":
+        return load_all()
+    if name == "__all__":
+        return sorted([*_NAMES, *(cls.__name__ for cls in load_all().values())])
+    if not name.startswith("__"):  # pickle, inspect and copy ask for dunders: never a strategy
+        cls = _class_named(name, _registered) or _class_named(name, load_all())
+        if cls is not None:
+            globals()[name] = cls
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _class_named(name: str, strategies: dict):
+    return next((cls for cls in strategies.values() if cls.__name__ == name), None)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__getattr__("__all__")))

@@ -51,13 +51,15 @@ def get_strategy(spec: Union[str, Strategy, None] = None) -> Strategy:
         spec = DEFAULT_STRATEGY
     if isinstance(spec, Strategy):
         return spec
-    load_all()
     if not isinstance(spec, str):
+        load_all()
         raise TypeError(
             f"strategy must be a name ({', '.join(STRATEGIES)}) or a Strategy object, "
             f"got {type(spec).__name__} {spec!r}"
         )
     key = spec.strip().lower()
+    if key not in STRATEGIES:  # one registered already (its module imported) needs no other
+        load_all()
     if key not in STRATEGIES:
         raise ValueError(
             f"strategy {spec!r} is not known; valid: {', '.join(STRATEGIES)} "

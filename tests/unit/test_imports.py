@@ -191,3 +191,29 @@ def test_light_commands_start_without_ray_or_torch(argv):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "0 []", done.stdout + done.stderr
+
+
+def test_a_ddp_worker_starts_without_fsdp_or_dtensor():
+    """Every Ray Train worker, at every (elastic) restart, unpickles the run's
+    TPUTorchConfig with its strategy and imports the functions the backend runs
+    before the training function: for DDP that must not import torch's FSDP and
+    DTensor modules (with sympy: ~0.65 s of CPU per worker) that only FSDP2 and
+    tensor parallelism use."""
+    import pickle
+
+    from ray_train_tpu import TPUScalingConfig, TPUTorchConfig
+    from ray_train_tpu.strategies.ddp import DDPStrategy
+
+    blob = pickle.dumps((TPUTorchConfig(strategy=DDPStrategy()), TPUScalingConfig(topology="2x2x2",
+                                                                                  accelerator_type="TPU-V4")))
+    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "sympy")
+    code = (
+        "import pickle, sys; pickle.loads(bytes.fromhex(sys.argv[1])); "
+        "import ray_train_tpu._worker_fns, ray_train_tpu.prepare, ray_train_tpu.hang, "
+        "ray_train_tpu.checkpoint.preemption; from ray_train_tpu.strategies import get_strategy, DDPStrategy; "
+        "get_strategy('ddp'); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules), 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, blob.hex()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[] True", done.stdout + done.stderr
