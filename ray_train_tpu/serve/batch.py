@@ -230,7 +230,7 @@ class SliceBatchProcessor:
         sub = hasattr(engine.spec, "engine_shape")
         R.place_engines(
             processor, _batch_engine.SliceEngineUDF,
-            functools.partial(reserve_engine, self.job, engine, timeout_s=cfg.reserve_timeout_s),
+            functools.partial(engine_remote_args, self.job, engine, timeout_s=cfg.reserve_timeout_s),
             slice_topology=engine.spec.engine.name if sub else engine.spec.topology,
             slice_accelerator_type=engine.spec.accelerator_type, slice_column=SLICE_COLUMN,
             sub_slice=sub, chip_in_actor=engine.chip_in_actor,
@@ -250,7 +250,7 @@ def run_batch(config: BatchConfig, dataset: Any) -> Any:
         return processor(dataset).materialize()
 
 
-# Reservations, in the driver: `reserve_slice` is the engine stage's
+# Reservations, in the driver: `engine_remote_args` is the engine stage's
 # ``ray_remote_args_fn``; Ray Data calls it for every engine actor it starts,
 # and the actor runs in the placement group it returns (Ray's
 # ``SlicePlacementGroup``: one ``{"TPU": 1}`` bundle per device, gang-scheduled
@@ -258,6 +258,20 @@ def run_batch(config: BatchConfig, dataset: Any) -> Any:
 # batch job id -> its SlicePlacementGroup handles.
 _RESERVATIONS: dict[str, list] = {}
 _LOCK = threading.Lock()
+
+
+def engine_remote_args(job: str, engine: SliceEngine, timeout_s: Optional[float] = None) -> dict:
+    """The engine stage's ``ray_remote_args_fn``: `reserve_engine` when Ray Data
+    starts an engine actor; nothing for its other calls (its high-memory issue
+    detector calls the function at the start of every execution and now and
+    then after, which would otherwise reserve a slice each time that no engine
+    ever runs on, or block the executor waiting for one:
+    `_compat.ray_data.starting_an_actor`)."""
+    from ray_train_tpu._compat.ray_data import starting_an_actor
+
+    if not starting_an_actor():
+        return {}
+    return reserve_engine(job, engine, timeout_s=timeout_s)
 
 
 def reserve_engine(job: str, engine: SliceEngine, timeout_s: Optional[float] = None) -> dict:

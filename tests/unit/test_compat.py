@@ -185,6 +185,30 @@ def test_pinned_ray_llm_seams_exist(simulated):
     assert '"num_cpus" not in ray_remote_args' in inspect.getsource(map_operator)
 
 
+def test_ray_data_calls_a_stages_remote_args_fn_to_start_actors_and_for_its_memory_detector():
+    """`_compat.ray_data.starting_an_actor` tells the two apart by the frame of
+    Ray Data's actor start; both callers are read from Ray Data's source."""
+    from ray.data._internal.execution.operators import actor_pool_map_operator as apm
+    from ray.data._internal.issue_detection.detectors import high_memory_detector
+
+    from ray_train_tpu._compat import ray_data as RD
+
+    filename, name = RD.ACTOR_START
+    assert apm.__file__.endswith(filename) and hasattr(apm.ActorPoolMapOperator, name)
+    assert "self._merge_ray_remote_args()" in inspect.getsource(getattr(apm.ActorPoolMapOperator, name))
+    assert "self._ray_remote_args_fn()" in inspect.getsource(apm.ActorPoolMapOperator._merge_ray_remote_args)
+    # The other caller: every map operator's function, at execution start and periodically.
+    assert inspect.getsource(high_memory_detector).count("op._get_dynamic_ray_remote_args()") == 2
+    assert "self._ray_remote_args_fn()" in inspect.getsource(apm.MapOperator._get_dynamic_ray_remote_args)
+    # The frame test itself: true only beneath a `_start_actor` of that file.
+    namespace: dict = {}
+    exec(compile("def _start_actor(fn):\n    return fn()\n", "/x/" + filename, "exec"), namespace)
+    assert namespace["_start_actor"](RD.starting_an_actor) and not RD.starting_an_actor()
+    other: dict = {}
+    exec(compile("def _start_actor(fn):\n    return fn()\n", "/x/other.py", "exec"), other)
+    assert not other["_start_actor"](RD.starting_an_actor)
+
+
 def test_vllm_shutdown_race_that_cancel_output_handler_avoids(simulated):
     """vLLM 0.29's AsyncLLM.shutdown stops the engine core client (whose output
     task queues an EngineDeadError when cancelled) before it cancels the output

@@ -170,6 +170,21 @@ def test_an_engine_holding_its_chip_asks_for_it_in_its_reservation(model_dir, mo
     batch._RESERVATIONS.pop("job-y")
 
 
+def test_only_an_engine_actors_start_reserves_a_slice(model_dir, monkeypatch):
+    """Ray Data's memory detector calls the stage's remote-args function too: no reservation then."""
+    from ray_train_tpu._compat import ray_data as RD
+    from ray_train_tpu.serve import batch
+
+    made = []
+    monkeypatch.setattr(batch, "reserve_engine", lambda job, engine, timeout_s=None: made.append(job) or {"x": 1})
+    config = BatchConfig(model=model_dir, topology="1x1", accelerator_type="v6e", simulate=True)
+    assert batch.engine_remote_args("job-z", config.engine) == {} and made == []
+    namespace: dict = {}
+    exec(compile("def _start_actor(fn):\n    return fn()\n", "/x/" + RD.ACTOR_START[0], "exec"), namespace)
+    assert namespace["_start_actor"](lambda: batch.engine_remote_args("job-z", config.engine)) == {"x": 1}
+    assert made == ["job-z"]
+
+
 def test_a_piece_that_never_frees_fails_after_the_users_timeout(model_dir, monkeypatch):
     from ray_train_tpu.serve import pieces
 
