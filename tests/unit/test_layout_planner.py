@@ -259,6 +259,24 @@ def test_the_readme_shows_what_the_planner_prints_now(tmp_path, monkeypatch):
     assert out.getvalue().splitlines() == shown
 
 
+def test_the_batch_docs_show_what_the_planner_prints_now(tmp_path, monkeypatch):
+    """docs/batch.md's --plan block: its lines, in order, among what batch --plan prints ("..." skips)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "batch.md").read_text()
+    command = "$ python -m ray_train_tpu batch --model Qwen/Qwen2.5-0.5B-Instruct --topology 4x4"
+    block = doc[doc.index(command):].split("\n\n")[0].splitlines()
+    shown = [line.strip() for line in block[1:] if line.strip() != "..."]
+    model = tmp_path / "Qwen" / "Qwen2.5-0.5B-Instruct"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(QWEN25_05B))
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    assert cli.main(block[0].strip()[len("$ python -m ray_train_tpu "):].split(), out=out, err=io.StringIO()) == 0
+    printed = out.getvalue().splitlines()
+    assert [line for line in printed if line in shown] == shown, printed
+
+
 def test_batch_plan_prints_the_layout_without_input_or_output(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     out, err = io.StringIO(), io.StringIO()
