@@ -4,16 +4,19 @@ offline with the same engines (one ``vllm.LLM`` process per slice, each given
 its share of the prompts), in the same run.
 
 Goal (issues 29, 33): batch >= 0.9x offline, in rows/s and output tokens/s,
-judged on the geometric mean over pairs (with its 95% t-interval) of the whole job (engines started, every prompt answered: what a user
-waits for; the cluster is up already). Also reported: the rate while every
-engine works (offline: from a common start once every engine is up; batch:
-from the moment every slice has returned a row, which counts work done before
-that moment and so favours batch). Runs are paired and counterbalanced
-(offline, batch, batch, offline, ...), one ratio per pair. Default:
-SmolLM2-135M-Instruct (float32) on two simulated one-chip v6e slices, 400
-prompts of 32 tokens (``ignore_eos``: equal work everywhere). SIMULATED: CPU
-kernels, not TPU numbers; on a shared 2-core machine the absolute rates are
-noisy, the ratios less so.
+judged on the geometric mean over pairs (with its 95% t-interval) of the whole
+job (engines started, every prompt answered: what a user waits for; the cluster
+is up already). Each batch job runs from a driver process of its own, as a
+user's script does and as each offline process does: from its launch (Ray
+connected, Ray Data LLM's processor built, which imports vLLM in the driver) to
+its last row. Also reported: the rate while every engine works (offline: from a
+common start once every engine is up; batch: from the moment every slice has
+returned a row, which counts work done before that moment and so favours
+batch). Runs are paired and counterbalanced (offline, batch, batch, offline,
+...), one ratio per pair. Default: SmolLM2-135M-Instruct (float32) on two
+simulated one-chip v6e slices, 400 prompts of 32 tokens (``ignore_eos``: equal
+work everywhere). SIMULATED: CPU kernels, not TPU numbers; on a shared 2-core
+machine the absolute rates are noisy, the ratios less so.
 
 Writes benchmarks/results/batch_throughput.json (+ .png with matplotlib).
 Starts a simulated cluster: run it under ``flock /tmp/rtt-sim.lock`` here.
@@ -132,21 +135,40 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     return out
 
 
-def run_batch(args, model_dir: str, texts: list[str]) -> dict:
-    """One batch job on the running (simulated) cluster."""
-    import ray
+_BATCH = """
+import json, sys, time
+t_launch = time.time()
+address, model, prompts, topology, accel, num_slices, max_tokens, batch_size, engine = json.loads(sys.argv[1])
+import ray
+ray.init(address=address)
+from ray_train_tpu.serve.batch import BatchConfig, SliceBatchProcessor
+config = BatchConfig(model=model, topology=topology, accelerator_type=accel, num_slices=num_slices,
+                     max_tokens=max_tokens, batch_size=batch_size, sampling_params={"ignore_eos": True},
+                     engine_kwargs=engine)
+ds = ray.data.from_items([{"prompt": t} for t in prompts], override_num_blocks=max(1, len(prompts) // batch_size))
+arrivals = []
+with SliceBatchProcessor(config) as processor:
+    for row in processor(ds).iter_rows():
+        arrivals.append((time.time(), row["slice"], int(row["num_generated_tokens"])))
+print("RESULT " + json.dumps({"launched": t_launch, "arrivals": arrivals}))
+"""
 
-    from ray_train_tpu.serve.batch import BatchConfig, SliceBatchProcessor
 
-    config = BatchConfig(model=model_dir, topology=args.topology, accelerator_type=args.accelerator_type,
-                         num_slices=args.num_slices, max_tokens=args.max_tokens, batch_size=args.batch_size,
-                         sampling_params={"ignore_eos": True}, engine_kwargs=engine_kwargs(args))
-    arrivals = []
-    ds = ray.data.from_items([{"prompt": t} for t in texts], override_num_blocks=max(1, len(texts) // args.batch_size))
-    t0 = time.perf_counter()
-    with SliceBatchProcessor(config) as processor:
-        for row in processor(ds).iter_rows():
-            arrivals.append((time.perf_counter(), row["slice"], row["num_generated_tokens"]))
+def run_batch(args, model_dir: str, texts: list[str], address: str) -> dict:
+    """One batch job, from a driver process of its own (as a user's script is,
+    and as each offline process is): from its launch to its last row."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RAY_TRAIN_TPU_SIMULATE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    arg = json.dumps([address, model_dir, texts, args.topology, args.accelerator_type, args.num_slices,
+                      args.max_tokens, args.batch_size, engine_kwargs(args)])
+    proc = subprocess.run([sys.executable, "-c", _BATCH, arg], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True, env=env, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"batch driver failed (exit status {proc.returncode})")
+    result = json.loads(lines[-1][len("RESULT "):])
+    t0, arrivals = result["launched"], [tuple(a) for a in result["arrivals"]]
     wall = arrivals[-1][0] - t0
     rows, tokens = len(arrivals), sum(a[2] for a in arrivals)
     first = {}
@@ -228,13 +250,13 @@ def main(argv=None) -> dict:
     from ray_train_tpu.testing import simulated_tpu_cluster
 
     pairs = []
-    with simulated_tpu_cluster(args.topology, args.accelerator_type, num_slices=args.num_slices):
+    with simulated_tpu_cluster(args.topology, args.accelerator_type, num_slices=args.num_slices) as sim:
         for i in range(args.pairs):  # offline first in even pairs, batch first in odd ones
             if i % 2 == 0:
                 offline = run_offline(args, model_dir, texts)
-                batch = run_batch(args, model_dir, texts)
+                batch = run_batch(args, model_dir, texts, sim.address)
             else:
-                batch = run_batch(args, model_dir, texts)
+                batch = run_batch(args, model_dir, texts, sim.address)
                 offline = run_offline(args, model_dir, texts)
             pairs.append((batch, offline))
     summary = summarize(pairs)

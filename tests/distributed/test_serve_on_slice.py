@@ -386,6 +386,9 @@ def test_batch_on_one_chip_pieces_of_a_slice_equals_one_worker(sim, model_dir, s
     assert len(engines) == 2 and vllm_workers == [], (engines, vllm_workers)
     # Each engine actor held its chip itself (Ray gave it one TPU id: worker_check.check_chip_engine).
     assert len(_worker_log_lines("one-chip engine on slice")) == 2
+    # ... and its worker ran in its engine core ("uni", vllm-torchtpu's executor for one device),
+    # not in a process of vLLM's multiprocess executor (vLLM's CPU platform's own choice).
+    assert _worker_log_lines("multiproc_executor.py") == []
     _wait_for("nothing reserved", lambda: not [pg for pg in _pgs() if pg["state"] != "REMOVED"], 60)
 
 
