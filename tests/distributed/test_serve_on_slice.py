@@ -376,7 +376,9 @@ def test_batch_on_one_chip_pieces_of_a_slice_equals_one_worker(sim, model_dir, s
         rows = list(processor(ds).iter_rows())
         groups = [pg for pg in _pgs("CREATED") if any(b.get("TPU") for b in pg["bundles"].values())]
         engines = [a for a in list_actors(limit=1000, detail=True) if "SliceEngineUDF" in (a.class_name or "")]
-        vllm_workers = [a for a in list_actors(limit=1000, detail=True) if "WorkerProc" in (a.class_name or "")]
+        ours = {pg["placement_group_id"] for pg in groups}
+        vllm_workers = [a for a in list_actors(limit=1000, detail=True)
+                        if "WorkerProc" in (a.class_name or "") and a.placement_group_id in ours]
     print(f"batch on two one-chip pieces: {len(rows)} rows in {time.monotonic() - t0:.0f} s")
     assert sorted(r["id"] for r in rows) == list(range(8))
     assert all(list(r["generated_token_ids"]) == single_worker["completion"] for r in rows), rows[0]
@@ -384,24 +386,26 @@ def test_batch_on_one_chip_pieces_of_a_slice_equals_one_worker(sim, model_dir, s
     assert sorted(len(pg["bundles"]) for pg in groups) == [1, 1], [(pg["name"], pg["bundles"]) for pg in groups]
     assert len({n for pg in groups for n in pg["bundles_to_node_id"].values()}) == 1  # best fit: one host
     assert len(engines) == 2 and vllm_workers == [], (engines, vllm_workers)
-    # Each engine actor held its chip itself (Ray gave it one TPU id: worker_check.check_chip_engine).
-    assert len(_worker_log_lines("one-chip engine on slice")) == 2
-    # ... and its worker ran in its engine core ("uni", vllm-torchtpu's executor for one device),
-    # not in a process of vLLM's multiprocess executor (vLLM's CPU platform's own choice).
-    assert _worker_log_lines("multiproc_executor.py") == []
+    # Each engine actor held its chip itself (Ray gave it one TPU id: worker_check.check_chip_engine),
+    # and its worker ran in its engine core ("uni", vllm-torchtpu's executor for one device), not in
+    # a process of vLLM's multiprocess executor (vLLM's CPU platform's own choice).
+    logs = _engine_logs("one-chip engine on slice")
+    assert len(logs) == 2 and not [f for f, text in logs.items() if "multiproc_executor.py" in text], sorted(logs)
     _wait_for("nothing reserved", lambda: not [pg for pg in _pgs() if pg["state"] != "REMOVED"], 60)
 
 
-def _worker_log_lines(text: str) -> list:
-    """The lines of this cluster's worker logs that contain `text`."""
+def _engine_logs(marker: str) -> dict:
+    """The worker logs (stderr) of this cluster's session that contain `marker`, by file."""
     import glob
     import os
 
     logs = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
-    found = []
+    found = {}
     for path in glob.glob(os.path.join(logs, "worker-*.err")):
         with open(path, errors="replace") as f:
-            found += [line for line in f if text in line]
+            text = f.read()
+        if marker in text:
+            found[os.path.basename(path)] = text
     return found
 
 
