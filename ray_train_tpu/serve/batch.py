@@ -137,7 +137,7 @@ class BatchConfig:
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               engine_kwargs=self.engine_kwargs, simulate=self.simulate,
                               engine_shape=self.engine_shape, chip_in_actor=True)
-        pieces = engine.spec.shape.count if hasattr(engine.spec, "engine_shape") else 1
+        pieces = engine.spec.shape.count if engine.on_piece else 1
         if self.engines_per_slice is not None:
             V.check_int(_WHERE, "engines_per_slice", self.engines_per_slice, min=1, max=pieces,
                         fix=f"at most {pieces} {self.engine_shape or self.topology} engine(s) fit one "
@@ -227,13 +227,12 @@ class SliceBatchProcessor:
             preprocess=lambda row: {"prompt": row[prompt], "sampling_params": sampling},
             postprocess=functools.partial(_output_row, columns),
         )
-        sub = hasattr(engine.spec, "engine_shape")
         R.place_engines(
             processor, _batch_engine.SliceEngineUDF,
             functools.partial(engine_remote_args, self.job, engine, timeout_s=cfg.reserve_timeout_s),
-            slice_topology=engine.spec.engine.name if sub else engine.spec.topology,
+            slice_topology=engine.spec.engine.name if engine.on_piece else engine.spec.topology,
             slice_accelerator_type=engine.spec.accelerator_type, slice_column=SLICE_COLUMN,
-            sub_slice=sub, chip_in_actor=engine.chip_in_actor,
+            sub_slice=engine.on_piece, chip_in_actor=engine.chip_in_actor,
         )
         return processor
 
@@ -282,7 +281,7 @@ def reserve_engine(job: str, engine: SliceEngine, timeout_s: Optional[float] = N
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     spec = engine.spec
-    if hasattr(spec, "engine_shape"):
+    if engine.on_piece:
         handle = _reserve_piece(job, spec, engine.simulated, timeout_s)
         pg = handle.placement_group
     else:

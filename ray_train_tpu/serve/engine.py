@@ -52,6 +52,11 @@ class SliceEngine:
     chip_in_actor: bool = False
 
     @property
+    def on_piece(self) -> bool:
+        """The engine runs on an ``engine_shape`` piece of a slice, not a whole one."""
+        return hasattr(self.spec, "engine_shape")
+
+    @property
     def num_devices(self) -> int:
         return self.spec.tensor_parallel_size * self.spec.pipeline_parallel_size
 
@@ -59,7 +64,7 @@ class SliceEngine:
     def strategy(self) -> str:
         """Placement strategy of the slice's bundles: a one-host slice has no
         slice-name label to pin them, so they are packed onto one host."""
-        topo = self.spec.engine if hasattr(self.spec, "engine_shape") else self.spec.parsed
+        topo = self.spec.engine if self.on_piece else self.spec.parsed
         return "STRICT_PACK" if topo.num_hosts == 1 else "SPREAD"
 
 
