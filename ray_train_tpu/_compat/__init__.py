@@ -6,8 +6,10 @@ one module per upstream.
   metadata query, the GCS actor table and ``__ray_call__``;
 - `ray_train_tpu._compat.torch`: torch's private PrivateUse1 backend name;
 - `ray_train_tpu._compat.torch_tpu`: torch_tpu's ``_internal`` hardware table;
-- `ray_train_tpu._compat.ray_llm`: Ray Serve LLM's callback base and OpenAI
-  ingress, Ray Data LLM's vLLM engine stage;
+- `ray_train_tpu._compat.ray_llm`: Ray Serve LLM's callback base, OpenAI
+  ingress and engine placement;
+- `ray_train_tpu._compat.ray_data`: Ray Data's actor start, Ray Data LLM's vLLM
+  engine stage, and a driver that leaves vLLM to the engines;
 - `ray_train_tpu._compat.vllm`: vLLM's CPU platform and worker, the Ray actor its
   Ray executors start workers in, the CPU backend's eager-mode limit;
 - `ray_train_tpu._compat.vllm_torchtpu`: vllm-torchtpu's Ray executor's slice layout.

@@ -1,5 +1,5 @@
-"""Every touch of Ray's LLM internals (``ray.llm._internal``: Ray Serve LLM and
-Ray Data LLM), pinned to `constants.RAY_VERSION`.
+"""Every touch of Ray Serve LLM's internals (``ray.llm._internal.serve``),
+pinned to `constants.RAY_VERSION`.
 
 Serving (Ray Serve LLM):
 
@@ -18,13 +18,8 @@ Serving (Ray Serve LLM):
   config otherwise asks its TPU backend for a whole slice
   (``VLLMEngineConfig._accelerator``, ``TPUAccelerator.create_placement_group``).
 
-Batch inference (Ray Data LLM, ``ray.data.llm.build_processor``):
-
-- `vLLMEngineStageUDF`: the class whose actors run the vLLM engine; we subclass it.
-- `engine_stage` / `place_engines`: the processor's vLLM stage, and where its
-  engine actors go. Ray's stage asks ``ray_remote_args_fn`` for the scheduling
-  strategy of every engine actor it starts (its own makes a GPU placement
-  group); ours reserves a whole TPU slice instead.
+Batch inference's seams (Ray Data LLM) are in `ray_train_tpu._compat.ray_data`, which
+leaves vLLM out of the driver.
 
 Importing this module imports ``ray.serve.llm`` and so vLLM, which picks its
 platform on import (`ray_train_tpu.serve.platforms`): the driver needs
@@ -48,11 +43,6 @@ _environ.update({
 
 import ray  # noqa: E402
 from fastapi import HTTPException  # noqa: E402
-from ray.data.llm import build_processor, vLLMEngineProcessorConfig  # noqa: E402
-from ray.llm._internal.batch.stages.vllm_engine_stage import (  # noqa: E402
-    vLLMEngineStage,
-    vLLMEngineStageUDF,
-)
 from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: E402
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException  # noqa: E402
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress  # noqa: E402
@@ -62,8 +52,7 @@ from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
 __all__ = [
     "TELEMETRY_ACTOR_CLASS", "TESTED_RAY_VERSION", "CallbackBase", "LLMConfig", "LLMServer", "OpenAiErrorsIngress",
-    "build_openai_app", "build_processor", "engine_stage", "place_engines", "use_placement_group",
-    "vLLMEngineProcessorConfig", "vLLMEngineStageUDF",
+    "build_openai_app", "use_placement_group",
 ]
 
 TELEMETRY_ACTOR_CLASS = "TelemetryAgent"
@@ -73,8 +62,6 @@ if ray.__version__ != TESTED_RAY_VERSION:
     logging.getLogger(__name__).warning(
         "ray_train_tpu's Ray Serve LLM / Ray Data LLM seams were checked against Ray %s, found %s; "
         "tests/unit/test_compat.py tells whether they still hold", TESTED_RAY_VERSION, ray.__version__)
-# Ray Data LLM names a processor's stages by class (``Processor._append_stage``).
-ENGINE_STAGE_NAME = vLLMEngineStage.__name__
 
 
 class OpenAiErrorsIngress(OpenAiIngress):
@@ -87,28 +74,6 @@ class OpenAiErrorsIngress(OpenAiIngress):
         except HTTPException as e:
             kind = "NotFoundError" if e.status_code == 404 else "BadRequestError"
             raise OpenAIHTTPException(status_code=e.status_code, message=str(e.detail), type=kind) from None
-
-
-def engine_stage(processor: Any) -> Any:
-    """The vLLM engine stage of a Ray Data LLM processor."""
-    return processor.get_stage_by_name(ENGINE_STAGE_NAME)
-
-
-def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], dict], **udf_kwargs: Any) -> None:
-    """Run the processor's engines as `udf_cls` (a `vLLMEngineStageUDF`
-    subclass, given `udf_kwargs` too), each in the placement group that
-    `remote_args_fn` returns the scheduling strategy of (and, for an engine
-    holding its one chip, that chip). The engine actor asks for no CPU (it runs
-    in its slice, whose bundles hold only chips) and no GPU (Ray Data LLM gives
-    a one-device engine ``num_gpus=1``, its "uni" executor's device)."""
-    if not issubclass(udf_cls, vLLMEngineStageUDF):
-        raise TypeError(f"{udf_cls!r} must subclass Ray Data LLM's vLLMEngineStageUDF")
-    stage = engine_stage(processor)
-    stage.fn = udf_cls
-    stage.fn_constructor_kwargs.update(udf_kwargs)
-    stage.map_batches_kwargs["ray_remote_args_fn"] = remote_args_fn
-    stage.map_batches_kwargs["num_cpus"] = 0
-    stage.map_batches_kwargs["num_gpus"] = 0
 
 
 class _ReservedTPU(TPUAccelerator):

@@ -204,36 +204,40 @@ class SliceBatchProcessor:
     def _build(self, columns: list) -> Any:
         import ray
 
-        from ray_train_tpu._compat import ray_llm as R
-        from ray_train_tpu.serve import _batch_engine
+        from ray_train_tpu._compat import ray_data as R
 
         cfg, engine = self.config, self.config.engine
         # vLLM's engine core runs in a child process of the engine actor and joins
         # the cluster itself: this one, not whichever "auto" finds on the host.
         env = {**engine.env, C.RAY_ADDRESS: ray.get_runtime_context().gcs_address}
-        processor_config = R.vLLMEngineProcessorConfig(
-            model_source=cfg.model,
-            engine_kwargs=engine.engine_kwargs,
-            runtime_env=with_env(cfg.runtime_env, env),
-            concurrency=(cfg.num_engines, cfg.num_engines),
-            batch_size=cfg.batch_size,
-            max_concurrent_batches=cfg.max_concurrent_batches,
-            chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
-            log_engine_metrics=False,
-        )
-        prompt, sampling = cfg.prompt_column, cfg.sampling
-        processor = R.build_processor(
-            processor_config,
-            preprocess=lambda row: {"prompt": row[prompt], "sampling_params": sampling},
-            postprocess=functools.partial(_output_row, columns),
-        )
-        R.place_engines(
-            processor, _batch_engine.SliceEngineUDF,
-            functools.partial(engine_remote_args, self.job, engine, timeout_s=cfg.reserve_timeout_s),
-            slice_topology=engine.spec.engine.name if engine.on_piece else engine.spec.topology,
-            slice_accelerator_type=engine.spec.accelerator_type, slice_column=SLICE_COLUMN,
-            sub_slice=engine.on_piece, chip_in_actor=engine.chip_in_actor,
-        )
+        # The driver only describes the engines: vLLM is imported where they run
+        # (`_compat.ray_data.vllm_left_to_engines`), not here first.
+        with R.vllm_left_to_engines():
+            from ray_train_tpu.serve import _batch_engine
+
+            processor_config = R.vLLMEngineProcessorConfig(
+                model_source=cfg.model,
+                engine_kwargs=engine.engine_kwargs,
+                runtime_env=with_env(cfg.runtime_env, env),
+                concurrency=(cfg.num_engines, cfg.num_engines),
+                batch_size=cfg.batch_size,
+                max_concurrent_batches=cfg.max_concurrent_batches,
+                chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
+                log_engine_metrics=False,
+            )
+            prompt, sampling = cfg.prompt_column, cfg.sampling
+            processor = R.build_processor(
+                processor_config,
+                preprocess=lambda row: {"prompt": row[prompt], "sampling_params": sampling},
+                postprocess=functools.partial(_output_row, columns),
+            )
+            R.place_engines(
+                processor, _batch_engine.SliceEngineUDF,
+                functools.partial(engine_remote_args, self.job, engine, timeout_s=cfg.reserve_timeout_s),
+                slice_topology=engine.spec.engine.name if engine.on_piece else engine.spec.topology,
+                slice_accelerator_type=engine.spec.accelerator_type, slice_column=SLICE_COLUMN,
+                sub_slice=engine.on_piece, chip_in_actor=engine.chip_in_actor,
+            )
         return processor
 
 

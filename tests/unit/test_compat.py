@@ -1,7 +1,12 @@
 """The `_compat` seams: pinned to the versions they were written against, and
 every private name they touch still exists there."""
 
+import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -167,22 +172,72 @@ def test_pinned_ray_llm_seams_exist(simulated):
     assert "_accelerator" in VLLMEngineConfig.__private_attributes__
     assert "self.accelerator.create_placement_group(" in inspect.getsource(VLLMEngineConfig.get_or_create_pg)
     assert "available_resources_per_node()" in inspect.getsource(ray.util.tpu.subslice_placement_group)
-    # Ray Data LLM: the engine stage by class name, its UDF's constructor, and the
-    # remote-args hook Ray Data calls per engine actor (num_cpus kept when given).
+
+
+def test_pinned_ray_data_llm_seams_exist(simulated):
+    """Ray Data LLM: the engine stage by class name, its UDF's constructor, the
+    remote-args hook Ray Data calls per engine actor (num_cpus kept when given),
+    and the one vLLM import its stage module makes outside an engine, guarded."""
     from ray.llm._internal.batch.processor.base import Processor
 
+    from ray_train_tpu._compat import ray_data as R
+
     assert "type(stage).__name__" in inspect.getsource(Processor._append_stage)
-    assert R.ENGINE_STAGE_NAME == "vLLMEngineStage"
+    assert R.ENGINE_STAGE_NAME == R.vLLMEngineStage.__name__
     params = list(inspect.signature(R.vLLMEngineStageUDF.__init__).parameters)
     assert params[:7] == ["self", "data_column", "expected_input_keys", "batch_size", "max_concurrent_batches",
                           "model", "engine_kwargs"]
     assert {"fn", "fn_constructor_kwargs", "map_batches_kwargs"} <= set(R.vLLMEngineStage.model_fields)
+    stage_module = importlib.import_module(R.STAGE_MODULE)
+    guarded = inspect.getsource(importlib.import_module(R.VLLM_GUARDED_IMPORTER))
+    assert "from vllm.v1.engine.exceptions import EngineDeadError" in guarded and "except ImportError:" in guarded
+    # What the guarded import gives is used by the engine only, never where the processor is built.
+    assert inspect.getsource(stage_module).count("_VLLM_FATAL_ERRORS") == 2
+    assert "_VLLM_FATAL_ERRORS" in inspect.getsource(R.vLLMEngineStageUDF._generate_with_error_handling)
     stage_source = inspect.getsource(R.vLLMEngineStage)
     assert 'map_batches_kwargs["ray_remote_args_fn"]' in stage_source
     from ray.data._internal.execution.operators import actor_pool_map_operator, map_operator
 
     assert "remote_args.update(self._ray_remote_args_fn())" in inspect.getsource(actor_pool_map_operator)
     assert '"num_cpus" not in ray_remote_args' in inspect.getsource(map_operator)
+
+
+_DRIVER_BUILD = """
+import json, sys, types
+import ray
+from ray.llm._internal.batch.processor import vllm_engine_proc
+from ray_train_tpu._compat import ray_data as R
+# Imports only: no Ray instance (the builder joins one) and no telemetry actor.
+ray.init = lambda *args, **kwargs: None
+vllm_engine_proc.get_or_create_telemetry_agent = lambda: types.SimpleNamespace(push_telemetry_report=lambda r: None)
+with R.vllm_left_to_engines() as asked:
+    from ray_train_tpu.serve import _batch_engine
+    config = R.vLLMEngineProcessorConfig(model_source=sys.argv[1], concurrency=1, batch_size=4,
+                                         chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
+    processor = R.build_processor(config)
+    R.place_engines(processor, _batch_engine.SliceEngineUDF, dict)
+print("RESULT " + json.dumps({"vllm": "vllm" in sys.modules, "asked": sorted(asked),
+                              "guarded_kept": R.VLLM_GUARDED_IMPORTER in sys.modules,
+                              "fn": R.engine_stage(processor).fn.__qualname__}))
+"""
+
+
+def test_a_batch_driver_builds_its_processor_without_importing_vllm(tmp_path):
+    """`vllm_left_to_engines`: Ray Data LLM's processor, with our engine class
+    placed in it, is built in a fresh driver that never imports vLLM; the only
+    module that asked for vLLM is Ray's guarded one, which is forgotten after."""
+    env = dict(os.environ)
+    # No platform either: on this host (libtpu installed) vLLM's import would refuse to pick one.
+    env.pop(C.RAY_TRAIN_TPU_SIMULATE, None)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER_BUILD, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    from ray_train_tpu._compat import ray_data as R
+
+    assert result == {"vllm": False, "asked": [R.VLLM_GUARDED_IMPORTER], "guarded_kept": False,
+                      "fn": "SliceEngineUDF"}
 
 
 def test_ray_data_calls_a_stages_remote_args_fn_to_start_actors_and_for_its_memory_detector():
