@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         from ray_train_tpu import _environ
         from ray_train_tpu import constants as C
 
-        _environ.update({C.RAY_TRAIN_TPU_SIMULATE: "1"})  # this process imports vLLM too
+        _environ.update({C.RAY_TRAIN_TPU_SIMULATE: "1"})  # BatchConfig's default, and the engines'
     from ray_train_tpu.serve.batch import BatchConfig
 
     source, _ = _model_source(args.model)
