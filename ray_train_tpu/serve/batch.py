@@ -76,8 +76,7 @@ class BatchConfig:
         tensor_parallel_size, pipeline_parallel_size: default: sized to the slice.
         engine_kwargs: more vLLM engine arguments (``max_model_len``, ``dtype``, ...).
         batch_size: rows per Ray Data batch sent to an engine.
-        max_concurrent_batches: batches in flight per engine (Ray Data queues
-            none beyond these: a batch goes to whichever engine has room).
+        max_concurrent_batches: batches in flight per engine.
         runtime_env: of the engines (our variables are added to ``env_vars``).
         reserve_timeout_s: how long reserving a multi-host slice for an engine
             waits for a free slice head (Ray's ``head_reservation_timeout_s``),
@@ -223,11 +222,6 @@ class SliceBatchProcessor:
                 concurrency=(cfg.num_engines, cfg.num_engines),
                 batch_size=cfg.batch_size,
                 max_concurrent_batches=cfg.max_concurrent_batches,
-                # Each engine gets what it runs at once, no queue on top (Ray Data's
-                # default is twice that): vLLM schedules the requests, and a queue
-                # only parks batches on whichever engine came up first, and leaves
-                # one engine working through its queue at the end while the others idle.
-                max_tasks_in_flight_per_actor=cfg.max_concurrent_batches,
                 chat_template_stage=False, tokenize_stage=False, detokenize_stage=False,
                 log_engine_metrics=False,
             )
