@@ -203,29 +203,42 @@ def test_pinned_ray_data_llm_seams_exist(simulated):
 
 
 _DRIVER_BUILD = """
-import json, sys, types
+import contextlib, json, sys, types
 import ray
 from ray.llm._internal.batch.processor import vllm_engine_proc
 from ray_train_tpu._compat import ray_data as R
+from ray_train_tpu.serve.batch import BatchConfig, SliceBatchProcessor
 # Imports only: no Ray instance (the builder joins one) and no telemetry actor.
 ray.init = lambda *args, **kwargs: None
+ray.get_runtime_context = lambda: types.SimpleNamespace(gcs_address="127.0.0.1:1")
 vllm_engine_proc.get_or_create_telemetry_agent = lambda: types.SimpleNamespace(push_telemetry_report=lambda r: None)
-with R.vllm_left_to_engines() as asked:
-    from ray_train_tpu.serve import _batch_engine
-    config = R.vLLMEngineProcessorConfig(model_source=sys.argv[1], concurrency=1, batch_size=4,
-                                         chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
-    processor = R.build_processor(config)
-    R.place_engines(processor, _batch_engine.SliceEngineUDF, dict)
+config = BatchConfig(model=sys.argv[1], topology="1x1", accelerator_type="v6e", num_slices=2, batch_size=4,
+                     max_concurrent_batches=3, simulate=True)
+seen, leave_vllm = [], R.vllm_left_to_engines
+@contextlib.contextmanager
+def recording():
+    with leave_vllm() as asked:
+        seen.append(asked)
+        yield asked
+R.vllm_left_to_engines = recording
+processor = SliceBatchProcessor(config)._build(["prompt"])
+(asked,) = seen
+stage = R.engine_stage(processor)
 print("RESULT " + json.dumps({"vllm": "vllm" in sys.modules, "asked": sorted(asked),
                               "guarded_kept": R.VLLM_GUARDED_IMPORTER in sys.modules,
-                              "fn": R.engine_stage(processor).fn.__qualname__}))
+                              "fn": stage.fn.__qualname__,
+                              "concurrency": stage.map_batches_kwargs["max_concurrency"]}))
 """
 
 
 def test_a_batch_driver_builds_its_processor_without_importing_vllm(tmp_path):
-    """`vllm_left_to_engines`: Ray Data LLM's processor, with our engine class
-    placed in it, is built in a fresh driver that never imports vLLM; the only
-    module that asked for vLLM is Ray's guarded one, which is forgotten after."""
+    """`SliceBatchProcessor` builds Ray Data LLM's processor, with our engine
+    class placed in it, in a fresh driver that never imports vLLM
+    (`vllm_left_to_engines`): the only module that asked for vLLM is Ray's
+    guarded one, forgotten after."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 2, "max_position_embeddings": 128,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     env = dict(os.environ)
     # No platform either: on this host (libtpu installed) vLLM's import would refuse to pick one.
     env.pop(C.RAY_TRAIN_TPU_SIMULATE, None)
@@ -237,7 +250,7 @@ def test_a_batch_driver_builds_its_processor_without_importing_vllm(tmp_path):
     from ray_train_tpu._compat import ray_data as R
 
     assert result == {"vllm": False, "asked": [R.VLLM_GUARDED_IMPORTER], "guarded_kept": False,
-                      "fn": "SliceEngineUDF"}
+                      "fn": "SliceEngineUDF", "concurrency": 3}
 
 
 def test_ray_data_calls_a_stages_remote_args_fn_to_start_actors_and_for_its_memory_detector():
