@@ -13,6 +13,7 @@ returns.
 from __future__ import annotations
 
 import logging
+import sys
 
 from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
@@ -31,6 +32,19 @@ from ray_train_tpu.topology import Topology  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+def _log_to_stderr() -> None:
+    """This actor runs our engine class: our INFO lines go to its stderr (kept in
+    the worker's log, shown on the driver), as vLLM's do. Nothing else in the
+    process configures logging here, unless something did already."""
+    package = logging.getLogger(__name__.split(".")[0])
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+
+
 class SliceEngineUDF(vLLMEngineStageUDF):
     """Ray Data LLM's vLLM engine on the actor's slice (or piece of one)."""
 
@@ -38,6 +52,7 @@ class SliceEngineUDF(vLLMEngineStageUDF):
                  sub_slice: bool = False, chip_in_actor: bool = False, **kwargs):
         import ray
 
+        _log_to_stderr()
         pg = ray.util.get_current_placement_group()
         if pg is None:
             raise RuntimeError("a batch engine must run in its reservation's placement group (reserve_engine)")
