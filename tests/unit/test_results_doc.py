@@ -23,7 +23,14 @@ def _pct(x: float, digits: int = 0) -> str:
 
 
 # (what the page says, built from the JSON) - one entry per number the page quotes.
+def _ratio_ci(name: str, part: str = "job") -> str:
+    lo, hi = _get(name, f"summary.{part}_rows_per_s_ci95")
+    return "{:.2f} x [{:.2f}, {:.2f}]".format(_get(name, f"summary.{part}_rows_per_s_geomean"), lo, hi)
+
+
 CLAIMS = {
+    "batch: whole job vs offline, 400 / 40 prompts": lambda: "{} / {}".format(
+        _ratio_ci("batch_throughput"), _ratio_ci("batch_throughput_40")),
     "rl: reward first 5 -> last 5": lambda: "{:.3f} -> {:.3f}".format(
         _get("rl_demo", "summary.reward_first5"), _get("rl_demo", "summary.reward_last5")),
     "rl: steps": lambda: "last 5 of {} steps".format(_get("rl_demo", "summary.steps")),
