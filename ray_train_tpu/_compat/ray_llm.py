@@ -31,15 +31,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
+from ray_train_tpu._compat.vllm import log_to_stderr
 
 TESTED_RAY_VERSION = C.RAY_VERSION
 
-# vLLM logs to stdout by default; ours go to stderr so that stdout stays data.
-_environ.update({
-    k: v for k, v in {C.VLLM_LOGGING_STREAM: "ext://sys.stderr"}.items() if _environ.get(k) is None
-})
+log_to_stderr()  # before ray.serve.llm imports vLLM
 
 import ray  # noqa: E402
 from fastapi import HTTPException  # noqa: E402

@@ -31,6 +31,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
 
 if TYPE_CHECKING:
@@ -74,6 +75,15 @@ def original_worker_proc() -> type:
     if not _ORIGINAL_WORKER_PROC:
         _ORIGINAL_WORKER_PROC.append(_load(WORKER_PROC))
     return _ORIGINAL_WORKER_PROC[0]
+
+
+def log_to_stderr() -> None:
+    """Send vLLM's logs (stdout by default, which Ray forwards to a driver's
+    stdout) to stderr in this process and the processes it starts, so that
+    stdout stays data; unless ``VLLM_LOGGING_STREAM`` is set already. Call
+    before vLLM is imported (it reads the variable then)."""
+    if _environ.get(C.VLLM_LOGGING_STREAM) is None:
+        _environ.update({C.VLLM_LOGGING_STREAM: "ext://sys.stderr"})
 
 
 def warn_if_untested(name: str, installed: str, tested: str) -> bool:

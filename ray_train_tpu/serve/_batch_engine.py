@@ -15,16 +15,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from ray_train_tpu import _environ
 from ray_train_tpu import constants as C
+from ray_train_tpu._compat import vllm as V
 
-# vLLM logs to stdout by default, which Ray forwards to the driver's stdout; an
-# engine's go to stderr, as serving's do (`_compat.ray_llm`), so that a driver's
-# stdout stays data. Set before this actor imports vLLM (below).
-if _environ.get(C.VLLM_LOGGING_STREAM) is None:
-    _environ.update({C.VLLM_LOGGING_STREAM: "ext://sys.stderr"})
+V.log_to_stderr()  # before this actor imports vLLM (the stage, below), as serving's replicas do
 
-from ray_train_tpu._compat import vllm as V  # noqa: E402
 from ray_train_tpu._compat.ray_data import vLLMEngineStageUDF  # noqa: E402
 from ray_train_tpu.serve._layout import lay_out  # noqa: E402
 from ray_train_tpu.topology import Topology  # noqa: E402
