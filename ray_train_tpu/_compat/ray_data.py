@@ -88,6 +88,12 @@ def place_engines(processor: Any, udf_cls: type, remote_args_fn: Callable[[], di
     holding its one chip, that chip). The engine actor asks for no CPU (it runs
     in its slice, whose bundles hold only chips) and no GPU (Ray Data LLM gives
     a one-device engine ``num_gpus=1``, its "uni" executor's device)."""
+    import ray
+
+    from ray_train_tpu import constants as C
+    from ray_train_tpu._compat.vllm import warn_if_untested
+
+    warn_if_untested("Ray Data LLM", ray.__version__, C.RAY_VERSION)
     if not issubclass(udf_cls, __getattr__("vLLMEngineStageUDF")):
         raise TypeError(f"{udf_cls!r} must subclass Ray Data LLM's vLLMEngineStageUDF")
     stage = engine_stage(processor)
@@ -108,7 +114,7 @@ class _RefuseVllm:
     def find_spec(self, name, path=None, target=None):
         if name == "vllm" or name.startswith("vllm."):
             frame = sys._getframe(1)
-            while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen")):
+            while frame is not None and frame.f_globals.get("__name__", "").startswith("importlib"):
                 frame = frame.f_back
             self.asked_by.add(frame.f_globals.get("__name__") if frame is not None else None)
             raise ModuleNotFoundError(f"No module named {name!r} (left to the engine actors)", name=name)

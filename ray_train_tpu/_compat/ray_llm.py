@@ -57,7 +57,7 @@ if ray.__version__ != TESTED_RAY_VERSION:
     import logging
 
     logging.getLogger(__name__).warning(
-        "ray_train_tpu's Ray Serve LLM / Ray Data LLM seams were checked against Ray %s, found %s; "
+        "ray_train_tpu's Ray Serve LLM seams were checked against Ray %s, found %s; "
         "tests/unit/test_compat.py tells whether they still hold", TESTED_RAY_VERSION, ray.__version__)
 
 
