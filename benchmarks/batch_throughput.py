@@ -8,8 +8,8 @@ judged on the geometric mean over pairs (with its 95% t-interval) of the whole
 job (engines started, every prompt answered: what a user waits for; the cluster
 is up already). Each batch job runs from a driver process of its own, as a
 user's script does and as each offline process does: from its launch (Ray
-connected, Ray Data LLM's processor built, which imports vLLM in the driver) to
-its last row. Also reported: the rate while every engine works (offline: from a
+connected, Ray Data LLM's processor built; vLLM is imported by the engines
+only) to its last row. Also reported: the rate while every engine works (offline: from a
 common start once every engine is up; batch: from the moment every slice has
 returned a row, which counts work done before that moment and so favours
 batch). Runs are paired and counterbalanced (offline, batch, batch, offline,

@@ -22,12 +22,13 @@ def _pct(x: float, digits: int = 0) -> str:
     return f"{100 * x:.{digits}f}%"
 
 
+def _ratio_ci(name: str) -> str:
+    """A benchmark's whole-job ratio and its 95% interval, as the page writes them."""
+    lo, hi = _get(name, "summary.job_rows_per_s_ci95")
+    return "{:.2f} x [{:.2f}, {:.2f}]".format(_get(name, "summary.job_rows_per_s_geomean"), lo, hi)
+
+
 # (what the page says, built from the JSON) - one entry per number the page quotes.
-def _ratio_ci(name: str, part: str = "job") -> str:
-    lo, hi = _get(name, f"summary.{part}_rows_per_s_ci95")
-    return "{:.2f} x [{:.2f}, {:.2f}]".format(_get(name, f"summary.{part}_rows_per_s_geomean"), lo, hi)
-
-
 CLAIMS = {
     "batch: whole job vs offline, 400 / 40 prompts": lambda: "{} / {}".format(
         _ratio_ci("batch_throughput"), _ratio_ci("batch_throughput_40")),
